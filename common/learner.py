@@ -1,0 +1,250 @@
+"""Learner-side tools for trainers without Blackwell (or without Transformer Engine).
+
+* :func:`apply_learner_grid` swaps a PyTorch / ``transformers`` model's on-grid Linear
+  layers (and fused MoE expert weights) for modules that compute TE's MXFP8 forward:
+  weight quantized rowwise each forward (as TE does with BF16 parameters), activation
+  quantized rowwise along K, fp32 accumulation, output in the activation's dtype.
+* Backward: ``"ste"`` (default) is straight-through -- gradients are those of the
+  high-precision linear at the BF16 weights (dx = dy W, dW = dy^T x, in fp32).
+  ``"te"`` mimics TE's MXFP8 backward: dgrad from dy quantized rowwise (1x32 along N)
+  and W's columnwise copy; wgrad from the columnwise copies of dy and x (32x1 along
+  M; needs the token count M to be a multiple of 32).
+* :func:`export_wire` writes the model's on-grid weights in the wire format
+  (``common/wire.py``) under Hugging Face checkpoint names -- the bytes the forward
+  above used.  :func:`wire_from_te` does the same for a Transformer Engine
+  ``MXFP8Tensor`` (padding stripped, swizzle undone).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+from . import format as F
+from .layout import strip_padding, unswizzle_scales
+from .linear import mxfp8_linear_reference
+from .quantize import quantize_mxfp8, quantize_rows
+from .selection import ModuleSelection
+from .tensor import dequantize_blocks
+from .wire import SCALE_SUFFIX, WEIGHT_SUFFIX
+
+BACKWARD_MODES = ("ste", "te")
+
+
+def _on_grid_shape(w: torch.Tensor) -> bool:
+    return w.shape[-1] % F.BLOCK_SIZE == 0 and w.shape[-2] % F.BLOCK_SIZE == 0
+
+
+class _GridLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mode):
+        wq, ws = quantize_rows(weight.detach())
+        y = mxfp8_linear_reference(x.detach(), wq, ws, None if bias is None else bias.detach())
+        ctx.save_for_backward(x, weight)
+        ctx.mode, ctx.has_bias = mode, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        k, n = x.shape[-1], w.shape[0]
+        x2, dy2 = x.reshape(-1, k), dy.reshape(-1, n)
+        if ctx.mode == "te":
+            if x2.shape[0] % F.BLOCK_SIZE:
+                raise ValueError(f"backward='te' needs the token count to be a multiple of {F.BLOCK_SIZE}; "
+                                 f"got {x2.shape[0]}")
+            dyq, dys = quantize_rows(dy2)                                   # 1x32 along N
+            w_col = quantize_mxfp8(w.detach(), rowwise=False, columnwise=True)  # 32x1 along N
+            dx = dequantize_blocks(dyq, dys) @ w_col.dequantize()
+            dy_col = quantize_mxfp8(dy2, rowwise=False, columnwise=True).dequantize()   # 32x1 along M
+            x_col = quantize_mxfp8(x2.detach(), rowwise=False, columnwise=True).dequantize()
+            dw = dy_col.t() @ x_col
+        else:
+            dyf = dy2.to(torch.float32)
+            dx = dyf @ w.detach().to(torch.float32)
+            dw = dyf.t() @ x2.detach().to(torch.float32)
+        db = dy2.to(torch.float32).sum(0).to(w.dtype) if ctx.has_bias else None
+        return dx.to(x.dtype).reshape(x.shape), dw.to(w.dtype), db, None
+
+
+def grid_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                backward: str = "ste") -> torch.Tensor:
+    """``F.linear`` on the learner's grid, differentiable (see module docstring for backward)."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {BACKWARD_MODES}; got {backward!r}")
+    return _GridLinearFn.apply(x, weight, bias, backward)
+
+
+class GridLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` computing TE's MXFP8 forward; shares the original parameters."""
+
+    def __init__(self, linear: nn.Linear, backward: str = "ste"):
+        super().__init__()
+        if not _on_grid_shape(linear.weight):
+            raise ValueError(f"Linear of weight shape {tuple(linear.weight.shape)} is not on the grid "
+                             f"(in and out features must be multiples of {F.BLOCK_SIZE})")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.backward_mode = backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return grid_linear(x, self.weight, self.bias, self.backward_mode)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, grid=mxfp8-1x32, backward={self.backward_mode}")
+
+
+class GridExperts(nn.Module):
+    """On-grid twin of a ``transformers`` fused-experts module (Qwen3-MoE, Qwen2-MoE, Mixtral in
+    transformers 5): ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows), ``down_proj`` [E, H, I].
+    """
+
+    def __init__(self, experts: nn.Module, backward: str = "ste"):
+        super().__init__()
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.backward_mode = backward
+        for p in (self.gate_up_proj, self.down_proj):
+            if not _on_grid_shape(p):
+                raise ValueError(f"expert weights of shape {tuple(p.shape)} are not on the grid")
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, k_pos = torch.where(top_k_index == e)
+            h = hidden_states[token_idx]
+            gate, up = grid_linear(h, self.gate_up_proj[e], None, self.backward_mode).chunk(2, dim=-1)
+            h = grid_linear(self.act_fn(gate) * up, self.down_proj[e], None, self.backward_mode)
+            h = h * top_k_weights[token_idx, k_pos, None]
+            out.index_add_(0, token_idx, h.to(out.dtype))
+        return out
+
+
+def _is_fused_experts(mod: nn.Module) -> bool:
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    return (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)
+            and gu.dim() == 3 and dn.dim() == 3 and hasattr(mod, "act_fn"))
+
+
+def apply_learner_grid(model: nn.Module, selection: Optional[ModuleSelection] = None,
+                       backward: str = "ste") -> list[str]:
+    """Put ``model``'s selected Linear layers and fused experts on the grid, in place.
+
+    Returns the names of the modules that now compute on the grid.  Modules whose
+    shapes are not multiples of 32 are left alone only if the selection does not name
+    them explicitly -- a selected module that cannot be on the grid raises.
+    """
+    selection = selection or ModuleSelection()
+    done: list[str] = []
+    for name, mod in list(model.named_modules()):
+        if not name or not selection.matches(name):
+            continue
+        if isinstance(mod, nn.Linear):
+            new = GridLinear(mod, backward)
+        elif _is_fused_experts(mod):
+            new = GridExperts(mod, backward)
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        done.append(name)
+    return done
+
+
+def grid_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, (GridLinear, GridExperts)):
+            yield name, mod
+
+
+def _wire_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = quantize_rows(w.detach())
+    return q.contiguous(), s.contiguous()
+
+
+def export_wire(model: nn.Module, include_plain: bool = True) -> dict[str, torch.Tensor]:
+    """The model's weights in the wire format, under Hugging Face checkpoint names.
+
+    On-grid modules (those :func:`apply_learner_grid` converted) give
+    ``<name>.weight`` (float8_e4m3fn) + ``<name>.weight_scale_inv`` (uint8 [N, K/32]);
+    fused experts are split per expert as HF checkpoints name them
+    (``<experts>.<e>.{gate_proj,up_proj,down_proj}.weight``).  With ``include_plain``
+    every other parameter and buffer of the state dict is included in its own dtype.
+    """
+    out: dict[str, torch.Tensor] = {}
+    grid_params: set[int] = set()
+    for name, mod in grid_modules(model):
+        if isinstance(mod, GridLinear):
+            q, s = _wire_pair(mod.weight)
+            out[name + WEIGHT_SUFFIX], out[name + SCALE_SUFFIX] = q, s
+            grid_params.add(id(mod.weight))
+        else:
+            inter = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.num_experts):
+                for proj, w in (("gate_proj", mod.gate_up_proj[e, :inter]), ("up_proj", mod.gate_up_proj[e, inter:]),
+                                ("down_proj", mod.down_proj[e])):
+                    q, s = _wire_pair(w)
+                    out[f"{name}.{e}.{proj}{WEIGHT_SUFFIX}"], out[f"{name}.{e}.{proj}{SCALE_SUFFIX}"] = q, s
+            grid_params.update((id(mod.gate_up_proj), id(mod.down_proj)))
+    if include_plain:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        for key, t in model.state_dict(keep_vars=True).items():
+            p = named.get(key, t)
+            if id(p) in grid_params or key in out:
+                continue
+            out[key] = t.detach()
+    return out
+
+
+# -- Transformer Engine ------------------------------------------------------------------
+
+def is_te_mxfp8_tensor(t: object) -> bool:
+    """Duck-typed: TE's ``MXFP8Tensor`` (or its storage class) holds ``_rowwise_scale_inv``."""
+    return hasattr(t, "_rowwise_scale_inv") and hasattr(t, "_rowwise_data")
+
+
+def wire_from_te(t, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 data [..., K], uint8 scales [..., K/32]) from a TE ``MXFP8Tensor``: TE's own bytes.
+
+    Strips TE's scale padding and undoes the GEMM swizzle when
+    ``_with_gemm_swizzled_scales`` is set (fused grouped-MLP ops swizzle in place).
+    """
+    data = getattr(t, "_rowwise_data", None)
+    scales = getattr(t, "_rowwise_scale_inv", None)
+    if data is None or scales is None:
+        raise ValueError(f"{name}: TE MXFP8Tensor has no rowwise copy (quantizer without rowwise usage); "
+                         "the sampler's forward needs W's rowwise data and scales")
+    shape = tuple(t.shape) if hasattr(t, "shape") else tuple(data.shape)
+    m, k = F.check_te_shape(shape)
+    if getattr(t, "_with_gemm_swizzled_scales", False):
+        scales = unswizzle_scales(scales)
+    scales = strip_padding(scales.view(torch.uint8).reshape(scales.shape[-2], scales.shape[-1]), m, k // F.BLOCK_SIZE)
+    return data.view(torch.uint8).reshape(shape).view(F.FP8_DTYPE).contiguous(), scales.reshape(*shape[:-1], k // F.BLOCK_SIZE)
+
+
+def export_te_state_dict(named: Iterable[tuple[str, object]] | Mapping[str, object],
+                         rename: Optional[Callable[[str], Optional[str]]] = None) -> dict[str, torch.Tensor]:
+    """Wire-format dict from TE parameters: MXFP8Tensors become (weight, weight_scale_inv) pairs.
+
+    ``named`` is e.g. ``model.named_parameters()``.  ``rename`` maps TE/Megatron names to
+    the sampler's (HF) names, or returns None to drop a tensor.
+    """
+    items = named.items() if isinstance(named, Mapping) else named
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        new = rename(name) if rename else name
+        if new is None:
+            continue
+        if is_te_mxfp8_tensor(t):
+            if not new.endswith(WEIGHT_SUFFIX):
+                raise ValueError(f"{name}: an MXFP8 parameter must map to a '<module>.weight' name; got {new!r}")
+            out[new], out[new[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX] = wire_from_te(t, name)
+        else:
+            out[new] = t.detach() if isinstance(t, torch.Tensor) else t
+    return out

@@ -1,0 +1,139 @@
+"""Learner-side tools: the drop-in grid forward, backward modes, wire export, TE export."""
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from mxfp8_learner_grid.common import (ModuleSelection, dequantize_blocks, mxfp8_linear_reference, quantize_mxfp8,
+                                       quantize_rows, swizzle_scales)
+from mxfp8_learner_grid.common.learner import (GridExperts, GridLinear, apply_learner_grid, export_te_state_dict,
+                                               export_wire, grid_linear, wire_from_te)
+from mxfp8_learner_grid.common.wire import split_state_dict
+
+transformers = pytest.importorskip("transformers")
+import tiny_models  # noqa: E402
+
+
+def test_grid_linear_forward_is_reference_at_quantized_weight():
+    lin = nn.Linear(160, 96).to(torch.bfloat16)
+    g = GridLinear(lin)
+    x = torch.randn(3, 160, dtype=torch.bfloat16)
+    wq, ws = quantize_rows(lin.weight.detach())
+    assert torch.equal(g(x), mxfp8_linear_reference(x, wq, ws, lin.bias.detach()))
+    assert not torch.equal(g(x), lin(x))
+
+
+def test_ste_backward_is_high_precision_linear_gradient():
+    w = torch.randn(64, 96, requires_grad=True)
+    b = torch.randn(64, requires_grad=True)
+    x = torch.randn(8, 96, requires_grad=True)
+    dy = torch.randn(8, 64)
+    grid_linear(x, w, b).backward(dy)
+    gx, gw, gb = x.grad.clone(), w.grad.clone(), b.grad.clone()
+    assert torch.allclose(gx, dy @ w.detach(), atol=1e-5) and torch.allclose(gw, dy.t() @ x.detach(), atol=1e-5)
+    assert torch.allclose(gb, dy.sum(0), atol=1e-5)
+
+
+def test_te_backward_uses_quantized_operands():
+    w = torch.randn(64, 96, requires_grad=True)
+    x = torch.randn(32, 96, requires_grad=True)
+    dy = torch.randn(32, 64)
+    grid_linear(x, w, None, backward="te").backward(dy)
+    dyq, dys = quantize_rows(dy)
+    want_dx = dequantize_blocks(dyq, dys) @ quantize_mxfp8(w.detach(), False, True).dequantize()
+    want_dw = quantize_mxfp8(dy, False, True).dequantize().t() @ quantize_mxfp8(x.detach(), False, True).dequantize()
+    assert torch.allclose(x.grad, want_dx, atol=1e-5) and torch.allclose(w.grad, want_dw, atol=1e-4)
+    # close to, but not equal to, the high-precision gradient
+    assert 0 < ((x.grad - dy @ w.detach()).norm() / x.grad.norm()).item() < 0.1
+    with pytest.raises(ValueError, match="multiple of 32"):
+        grid_linear(torch.randn(5, 96, requires_grad=True), w, None, backward="te").sum().backward()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_apply_to_transformers_qwen3(moe, tmp_path):
+    model = tiny_models.build_model(moe=moe)
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    names = apply_learner_grid(model)
+    kinds = {type(m).__name__ for n, m in model.named_modules() if n in names}
+    assert kinds == ({"GridLinear", "GridExperts"} if moe else {"GridLinear"})
+    assert "lm_head" not in names and not any(n.endswith("mlp.gate") for n in names)
+    assert sum(n.endswith("q_proj") for n in names) == 2
+    with torch.no_grad():
+        out = model(ids).logits.float()
+    diff = (out - ref).abs().max().item()
+    assert 1e-3 < diff < 0.5 * ref.abs().max().item()     # on the grid: close, not equal
+
+    # export: HF checkpoint names, bytes = rowwise quantization of the learner's weights
+    wire = export_wire(model)
+    pairs, plain = split_state_dict(wire)
+    tiny_models.save_model(tmp_path, moe=moe)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        ckpt_names = set(f.keys())
+    assert set(pairs) | set(plain) == ckpt_names
+    assert "lm_head.weight" in plain and "model.embed_tokens.weight" in plain
+    name = "model.layers.1.mlp.experts.3.up_proj.weight" if moe else "model.layers.1.mlp.up_proj.weight"
+    assert name in pairs
+    if moe:
+        inter = model.config.moe_intermediate_size
+        src = model.model.layers[1].mlp.experts.gate_up_proj[3, inter:]
+    else:
+        src = model.model.layers[1].mlp.up_proj.weight
+    q, s = quantize_rows(src.detach())
+    assert torch.equal(pairs[name][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(pairs[name][1], s)
+
+
+def test_selection_half_layers():
+    model = tiny_models.build_model()
+    names = apply_learner_grid(model, ModuleSelection(layers=[0]))
+    assert names and all(n.startswith("model.layers.0.") for n in names)
+
+
+def test_selected_off_grid_linear_raises():
+    model = nn.Sequential(nn.Linear(40, 64))
+    with pytest.raises(ValueError, match="not on the grid"):
+        apply_learner_grid(model, ModuleSelection(include=["0"]))
+
+
+class FakeTEMXFP8Tensor:
+    """Stands in for transformer_engine.pytorch.tensor.MXFP8Tensor (same private fields)."""
+
+    def __init__(self, w, swizzled):
+        q = quantize_mxfp8(w, rowwise=True, columnwise=True)
+        self.shape = w.shape
+        self._rowwise_data = q.rowwise_data.view(torch.uint8)
+        rs = q.rowwise_scale_inv.clone()
+        rs[w.shape[0]:] = 0xEE                     # TE leaves padding uninitialised
+        self._rowwise_scale_inv = swizzle_scales(rs) if swizzled else rs
+        self._columnwise_data = q.columnwise_data.view(torch.uint8)
+        self._columnwise_scale_inv = q.columnwise_scale_inv
+        self._with_gemm_swizzled_scales = swizzled
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_wire_from_te_strips_padding_and_unswizzles(swizzled):
+    w = torch.randn(96, 160, dtype=torch.bfloat16)
+    t = FakeTEMXFP8Tensor(w, swizzled)
+    data, scales = wire_from_te(t)
+    q, s = quantize_rows(w)
+    assert data.dtype == torch.float8_e4m3fn and torch.equal(data.view(torch.uint8), q.view(torch.uint8))
+    assert scales.shape == (96, 5) and torch.equal(scales, s)
+
+
+def test_export_te_state_dict_renames_and_pairs():
+    w = torch.randn(64, 96)
+    named = [("decoder.layers.0.mlp.linear_fc2.weight", FakeTEMXFP8Tensor(w, True)),
+             ("decoder.final_layernorm.weight", torch.ones(96)), ("decoder.drop.me", torch.ones(1))]
+    rename = {"decoder.layers.0.mlp.linear_fc2.weight": "model.layers.0.mlp.down_proj.weight",
+              "decoder.final_layernorm.weight": "model.norm.weight"}.get
+    out = export_te_state_dict(named, rename)
+    assert set(out) == {"model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv",
+                        "model.norm.weight"}
+    split_state_dict(out)
+    t = types.SimpleNamespace(shape=w.shape, _rowwise_data=None, _rowwise_scale_inv=None)
+    with pytest.raises(ValueError, match="no rowwise copy"):
+        wire_from_te(t, "x.weight")

@@ -1,0 +1,45 @@
+"""The Triton quantize kernel under Triton's CPU interpreter: same bytes as the torch reference.
+
+The interpreter runs the kernel's indexing, masking, amax, scale rule and layout code on
+the CPU.  Two GPU instructions are replaced there (``USE_ASM=False``): the ``mul.rn.f32``
+inline asm (by numpy's IEEE fp32 multiply) and the hardware E4M3 cast (by an integer
+round-to-nearest-even).  tests/gpu/test_cuda_quantize.py checks the real kernel on a GPU.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import quantize_mxfp8, quantize_rows
+    torch.manual_seed(0)
+    fails = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in ((96, 160), (64, 256), (2, 48, 64), (128, 96)):
+            x = (torch.randn(*shape) * torch.logspace(-25, 25, shape[-1])).to(dt)
+            f = x.view(-1)
+            f[3] = float("nan"); f[40] = float("inf"); f[70] = -0.0; f[100:132] = 0
+            a = quantize_mxfp8(x, True, True, backend="torch")
+            b = quantize_mxfp8(x, True, True, backend="triton")
+            for n in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+                if not torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8)):
+                    fails.append((str(dt), shape, n))
+            for m in (1, 5, 17, 33):
+                r1, r2 = quantize_rows(x.reshape(-1, shape[-1])[:m], "torch"), quantize_rows(x.reshape(-1, shape[-1])[:m], "triton")
+                if not (torch.equal(r1[0].view(torch.uint8), r2[0].view(torch.uint8)) and torch.equal(r1[1], r2[1])):
+                    fails.append((str(dt), shape, "rows", m))
+    print("FAILS", fails)
+    assert not fails
+""")
+
+
+def test_kernel_logic_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
