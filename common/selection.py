@@ -56,16 +56,43 @@ class ModuleSelection:
                 except re.error as exc:
                     raise ValueError(f"bad regular expression in module selection {p!r}: {exc}") from None
 
-    def matches(self, name: str) -> bool:
+    def included(self, name: str) -> bool:
+        """An include pattern matches and the layer index (if restricted) is selected."""
         if not any(_match(p, name) for p in self.include):
-            return False
-        if any(_match(p, name) for p in self.exclude):
             return False
         if self.layers is not None:
             idx = layer_index(name)
             if idx is None or idx not in self.layers:
                 return False
         return True
+
+    def excluded(self, name: str) -> bool:
+        return any(_match(p, name) for p in self.exclude)
+
+    def matches(self, name: str) -> bool:
+        return self.included(name) and not self.excluded(name)
+
+    def matches_fused(self, name: str, shard_names: Iterable[str]) -> bool:
+        """Is an engine's fused module (e.g. ``...qkv_proj`` of ``q_proj``/``k_proj``/``v_proj``) on the grid?
+
+        It is when its fused name or all of its shards are selected and neither it nor any
+        shard is excluded.  A selection that splits a fused module raises ``ValueError``:
+        the engine computes it in one GEMM, so it is on the grid whole or not at all.
+        """
+        shard_names = list(shard_names)
+        ex = [self.excluded(n) for n in shard_names]
+        if self.excluded(name) or (ex and all(ex)):
+            return False
+        if any(ex):
+            raise ValueError(f"module selection excludes only some of the shards {shard_names} fused in {name}")
+        if self.included(name):
+            return True
+        inc = [self.included(n) for n in shard_names]
+        if inc and all(inc):
+            return True
+        if any(inc):
+            raise ValueError(f"module selection includes only some of the shards {shard_names} fused in {name}")
+        return False
 
     # -- (de)serialisation: the plugins carry this inside quantization_config ---------
     def to_dict(self) -> dict[str, Any]:

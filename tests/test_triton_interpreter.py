@@ -1,4 +1,4 @@
-"""The Triton quantize kernel under Triton's CPU interpreter: same bytes as the torch reference.
+"""The Triton kernels under Triton's CPU interpreter: same bytes / values as the torch reference.
 
 The interpreter runs the kernel's indexing, masking, amax, scale rule and layout code on
 the CPU.  Two GPU instructions are replaced there (``USE_ASM=False``): the ``mul.rn.f32``
@@ -43,3 +43,37 @@ def test_kernel_logic_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+GEMM_SCRIPT = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows, ops
+    from mxfp8_learner_grid.common.kernels.gemm_triton import grid_gemm
+    torch.manual_seed(0)
+    for m, n, k in ((1, 64, 96), (17, 96, 160), (40, 32, 64)):
+        x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.1, torch.randn(n)
+        xq, xs = quantize_rows(x); wq, ws = quantize_rows(w)
+        exact = dequantize_blocks(xq, xs).double() @ dequantize_blocks(wq, ws).double().t() + b.double()
+        y = grid_gemm(xq, xs, wq, ws, b, torch.float32)
+        assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-6, (m, n, k)
+    t, h, i, e, topk = 40, 64, 32, 8, 2
+    x = torch.randn(t, h)
+    q13, s13 = quantize_rows(torch.randn(e, 2 * i, h) * 0.2)
+    q2, s2 = quantize_rows(torch.randn(e, h, i) * 0.2)
+    tw, ids = torch.topk(torch.softmax(torch.randn(t, e), -1), topk)
+    r, o = ops.moe_reference(x, q13, s13, q2, s2, tw, ids), ops.moe_triton(x, q13, s13, q2, s2, tw, ids)
+    assert ((o - r).norm() / r.norm()).item() < 1e-6
+    emap = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])
+    loc = ops.local_expert_ids(ids, emap)
+    keep = [0, 2, 4, 6]
+    r = ops.moe_reference(x, q13[keep], s13[keep], q2[keep], s2[keep], tw, loc)
+    o = ops.moe_triton(x, q13[keep], s13[keep], q2[keep], s2[keep], tw, loc)
+    assert ((o - r).norm() / r.norm()).item() < 1e-6
+    print("OK")
+""")
+
+
+def test_gemm_and_moe_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

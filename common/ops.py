@@ -1,0 +1,125 @@
+"""The grid's compute as PyTorch custom ops, with the kernel chosen per device.
+
+Both engines call these two ops; ``torch.compile`` sees them as opaque nodes and CUDA
+graphs capture them like any other op (no host sync, static shapes):
+
+* ``mxfp8_learner_grid::linear(x, weight, weight_scale_inv, bias)`` -- a Linear on the grid.
+* ``mxfp8_learner_grid::moe(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+  expert_map)`` -- a SiLU-gated MoE layer on the grid (gate and up fused as w13 = [gate; up]).
+
+Kernel choice (``choose_backend``): CUDA tensors with Triton use the Triton kernels of
+``common/kernels``; anything else uses the PyTorch reference (``common/linear.py``), which
+is the CPU path of both plugins.  ``MXFP8_GRID_BACKEND=torch`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as Fn
+
+from .kernels import triton_available
+from .linear import mxfp8_linear_reference
+from .quantize import quantize_rows
+from .tensor import dequantize_blocks
+
+
+def choose_backend(x: torch.Tensor) -> str:
+    forced = os.environ.get("MXFP8_GRID_BACKEND", "auto")
+    if forced not in ("auto", "torch", "triton"):
+        raise ValueError(f"MXFP8_GRID_BACKEND must be auto, torch or triton; got {forced!r}")
+    if forced == "torch":
+        return "torch"
+    if triton_available(x):
+        return "triton"
+    if forced == "triton":
+        raise RuntimeError("MXFP8_GRID_BACKEND=triton needs Triton and CUDA tensors")
+    return "torch"
+
+
+# -- linear ------------------------------------------------------------------------------
+
+def linear_impl(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if choose_backend(x) == "torch":
+        return mxfp8_linear_reference(x, weight, weight_scale_inv, bias)
+    from .kernels.gemm_triton import grid_gemm
+    k = x.shape[-1]
+    xq, xs = quantize_rows(x.reshape(-1, k), backend="triton")
+    y = grid_gemm(xq, xs, weight, weight_scale_inv, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("mxfp8_learner_grid::linear", mutates_args=())
+def grid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x W^T on the learner's grid (x quantized rowwise as TE does; FP32 accumulation)."""
+    return linear_impl(x, weight, weight_scale_inv, bias)
+
+
+@grid_linear.register_fake
+def _(x, weight, weight_scale_inv, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# -- MoE ----------------------------------------------------------------------------------
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """Global expert ids -> this rank's local ids (-1: not on this rank)."""
+    if expert_map is None:
+        return topk_ids.to(torch.int64)
+    return expert_map.to(torch.int64)[topk_ids.to(torch.int64)]
+
+
+def moe_reference(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
+    """Per-expert loop: the definition (CPU path).  Routed rows of x quantized once (rowwise),
+    gate_up on the grid, SiLU(gate) * up in x's dtype, down on the grid, router weight, sum."""
+    t, h = x.shape
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    xq, xs = quantize_rows(x)
+    xa = dequantize_blocks(xq, xs)
+    for e in torch.unique(local_ids[local_ids >= 0]).tolist():
+        tok, pos = torch.where(local_ids == e)
+        gu = (xa[tok] @ dequantize_blocks(w13[e], w13_s[e]).t()).to(x.dtype)
+        g, u = gu.chunk(2, dim=-1)
+        d = mxfp8_linear_reference(Fn.silu(g) * u, w2[e], w2_s[e])
+        out.index_add_(0, tok, d.to(torch.float32) * topk_weights[tok, pos, None].to(torch.float32))
+    return out.to(x.dtype)
+
+
+def moe_triton(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
+    from .kernels.gemm_triton import grid_moe_gemm, moe_align, moe_block_m
+    t, h = x.shape
+    topk = local_ids.shape[1]
+    slots = t * topk
+    bm = moe_block_m(slots)
+    sorted_ids, block_expert = moe_align(local_ids, w13.shape[0], bm)
+    xq, xs = quantize_rows(x, backend="triton")
+    gu = grid_moe_gemm(xq, xs, w13, w13_s, sorted_ids, block_expert, slots, topk, True, None, x.dtype, bm)
+    g, u = gu.chunk(2, dim=-1)
+    aq, as_ = quantize_rows(Fn.silu(g) * u, backend="triton")
+    d = grid_moe_gemm(aq, as_, w2, w2_s, sorted_ids, block_expert, slots, topk, False,
+                      topk_weights.reshape(-1).to(torch.float32), torch.float32, bm)
+    # slots routed to experts of other ranks were never written: mask them out
+    d = torch.where((local_ids.reshape(-1, 1) >= 0), d, torch.zeros((), dtype=d.dtype, device=d.device))
+    return d.reshape(t, topk, h).sum(dim=1).to(x.dtype)
+
+
+@torch.library.custom_op("mxfp8_learner_grid::moe", mutates_args=())
+def grid_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
+             w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """A SiLU-gated MoE layer on the grid.  w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I]."""
+    local_ids = local_expert_ids(topk_ids, expert_map)
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if choose_backend(x) == "torch":
+        return moe_reference(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids)
+    return moe_triton(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids)
+
+
+@grid_moe.register_fake
+def _(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map):
+    return torch.empty_like(x)

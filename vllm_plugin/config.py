@@ -1,0 +1,131 @@
+"""``--quantization mxfp8-learner-grid``: the QuantizationConfig vLLM instantiates.
+
+Where the options come from, in vLLM's order:
+1. a pre-quantized (wire-format) checkpoint: ``config.json`` -> ``quantization_config``
+   with ``"quant_method": "mxfp8-learner-grid"`` (``--quantization`` may then be omitted);
+2. a BF16 checkpoint with ``--hf-overrides '{"quantization_config_file": "grid.yaml"}'`` or
+   ``'{"quantization_config_dict_json": "{\\"modules\\": {\\"layers\\": [0, 1, 2]}}"}'``;
+3. a BF16 checkpoint with nothing else: every Linear and every MoE expert on the grid,
+   lm_head / embeddings / norms / routers in the model dtype.
+
+Options (all optional)::
+
+    modules:                       # which modules run on the grid (common.selection)
+      include: ["*"]               # globs, or "re:<regex>"
+      exclude: ["lm_head", "*.mlp.gate", ...]
+      layers: [0, 1, 2, 3]         # decoder-layer indices; e.g. half of the layers
+    kv_cache_scales: optional      # or "required": fail the load if --kv-cache-dtype fp8 has no scales
+
+A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
+all of its Hugging Face shards (``q_proj``/``k_proj``/``v_proj``) are selected and none is
+excluded; a selection that splits a fused layer is an error (``ModuleSelection.matches_fused``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.selection import ModuleSelection
+from mxfp8_learner_grid.common.wire import QUANT_METHOD
+
+from . import compat
+
+KNOWN_KEYS = {"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
+              "activation_scheme", "checkpoint_format", "producer"}
+
+
+class MXFP8LearnerGridConfig(compat.QuantizationConfig):
+
+    def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
+                 raw: Optional[dict[str, Any]] = None):
+        super().__init__()
+        if kv_cache_scales not in ("optional", "required"):
+            raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {kv_cache_scales!r}")
+        self.selection = selection or ModuleSelection()
+        self.kv_cache_scales = kv_cache_scales
+        self.raw = dict(raw or {})
+
+    def __repr__(self) -> str:
+        return f"MXFP8LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
+
+    # -- QuantizationConfig API -------------------------------------------------------
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89          # FP8 conversions in the Triton kernels (Ada / Hopper and newer)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MXFP8LearnerGridConfig":
+        config = dict(config or {})
+        method = config.get("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}")
+        unknown = set(config) - KNOWN_KEYS
+        if unknown:
+            raise ValueError(f"{QUANT_METHOD}: unknown quantization_config keys {sorted(unknown)}; "
+                             f"known: {sorted(KNOWN_KEYS)}")
+        if config.get("fmt", "e4m3") != "e4m3" or int(config.get("block_size", F.BLOCK_SIZE)) != F.BLOCK_SIZE \
+                or config.get("scale_format", "e8m0") != "e8m0":
+            raise ValueError(f"{QUANT_METHOD}: only E4M3 data with E8M0 scales per {F.BLOCK_SIZE} values is "
+                             f"the learner's grid; got {config}")
+        return cls(ModuleSelection.from_dict(config.get("modules")),
+                   config.get("kv_cache_scales", "optional"), raw=config)
+
+    @classmethod
+    def from_config_file(cls, path: str) -> "MXFP8LearnerGridConfig":
+        import yaml
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        return cls.from_config(data)
+
+    @classmethod
+    def from_config_dict_json(cls, text: str) -> "MXFP8LearnerGridConfig":
+        return cls.from_config(json.loads(text))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> Optional[str]:
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == QUANT_METHOD:
+            return QUANT_METHOD
+        return None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if getattr(self, "online_quantization_config", None) is not None:
+            raise ValueError(f"{QUANT_METHOD} does not compose with --quantization-config (vLLM online "
+                             "quantization would quantize the learner's grid a second time)")
+        from .kv_cache import GridKVCacheMethod
+        from .linear_method import GridLinearMethod
+        from .moe_method import GridMoEMethod
+        if isinstance(layer, compat.LinearBase):
+            return GridLinearMethod(self, prefix) if self.on_grid(prefix) else compat.UnquantizedLinearMethod()
+        if isinstance(layer, compat.MOE_LAYER_TYPES):
+            if self.on_grid(prefix):
+                return GridMoEMethod(self, layer, prefix)
+            return compat.UnquantizedFusedMoEMethod(layer.moe_config)
+        if isinstance(layer, compat.Attention):
+            return GridKVCacheMethod(self, prefix)
+        return None
+
+    # -- module selection -------------------------------------------------------------
+    def on_grid(self, prefix: str) -> bool:
+        head, _, last = prefix.rpartition(".")
+        shards = (getattr(self, "packed_modules_mapping", None) or {}).get(last)
+        try:
+            if not shards:
+                return self.selection.matches(prefix)
+            return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
+        except ValueError as exc:
+            raise ValueError(f"{QUANT_METHOD}: {exc}") from None

@@ -1,0 +1,83 @@
+"""Dense Linear layers on the grid (QKV, O, gate_up, down) for vLLM."""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.wire import WireFormatError
+
+from . import compat
+from .loading import SCALE_SENTINEL, check_complete, wrap_scale_loader, wrap_weight_loader, writes
+from .dummy import fill_dummy_grid_weights
+
+
+def _expected_shards(layer, n_parts: int):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(n_parts))
+    return [None]
+
+
+def _dense_shard_key(*args, **kwargs):
+    if args:
+        return args[0]
+    return kwargs.get("loaded_shard_id")
+
+
+class GridLinearMethod(compat.LinearMethodBase):
+    """fp8 ``weight`` [N, K] + uint8 ``weight_scale_inv`` [N, K/32]; forward = the learner's."""
+
+    def __init__(self, quant_config, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if k % F.BLOCK_SIZE or any(p % F.BLOCK_SIZE for p in output_partition_sizes):
+            raise WireFormatError(
+                f"{self.prefix}: layer of partition shape out={list(output_partition_sizes)}, in={k} is not on "
+                f"the MXFP8 grid (every dim must be a multiple of {F.BLOCK_SIZE} after tensor-parallel "
+                f"splitting); exclude it with the module selection or change the TP size")
+        base_loader = extra_weight_attrs.pop("weight_loader")
+        weight = torch.nn.Parameter(torch.empty(n, k, dtype=F.FP8_DTYPE), requires_grad=False)
+        scale = torch.nn.Parameter(torch.full((n, k // F.BLOCK_SIZE), SCALE_SENTINEL, dtype=F.SCALE_DTYPE),
+                                   requires_grad=False)
+        for p in (weight, scale):
+            compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale_inv", scale)
+        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader, self.prefix,
+                                                  _dense_shard_key)
+        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, self.prefix,
+                                                _dense_shard_key)
+        layer.grid_prefix = self.prefix
+        layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
+        layer.grid_dummy_load = compat.load_format() == "dummy"
+        writes(layer).clear()
+
+    def process_weights_after_loading(self, layer) -> None:
+        # Idempotent and allocation-free after the first call: the kernel reads the
+        # parameters as loaded (compact [N, K/32] scales), so there is nothing derived to
+        # rebuild -- and nothing to reallocate under a captured CUDA graph.
+        if layer.grid_dummy_load and not getattr(layer, "grid_processed", False):
+            fill_dummy_grid_weights(layer.weight, layer.weight_scale_inv, self.prefix)
+        else:
+            verify_loaded(layer, self.prefix, ("weight", "weight_scale_inv"), layer.grid_expected_shards)
+        layer.grid_processed = True
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
+
+
+def verify_loaded(layer, prefix, params, expected_shards) -> None:
+    check_complete(layer, prefix, expected_shards, params)
+    for name in params:
+        t = getattr(layer, name)
+        if t.dtype == F.SCALE_DTYPE and bool((t == SCALE_SENTINEL).any()):
+            raise WireFormatError(f"{prefix}.{name}: some scales were never written (E8M0 255 left); "
+                                  "the checkpoint misses part of this tensor")

@@ -1,0 +1,88 @@
+"""Fused MoE experts on the grid (Qwen3-MoE and other SiLU-gated MoE) for vLLM.
+
+Layout as vLLM's own MXFP8 MoE: ``w13_weight`` [E, 2I, H] (gate rows, then up rows, as
+vLLM fuses w1/w3), ``w2_weight`` [E, H, I], and per-row E8M0 scales along K:
+``w13_weight_scale_inv`` [E, 2I, H/32], ``w2_weight_scale_inv`` [E, H, I/32].  They load
+through ``RoutedExperts.weight_loader`` (GROUP scales are sharded like the weights, so
+tensor and expert parallel splits stay exact).  The router stays outside the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.wire import WireFormatError
+
+from . import compat
+from .dummy import fill_dummy_grid_weights
+from .linear_method import verify_loaded
+from .loading import SCALE_SENTINEL, SKIP, wrap_scale_loader, wrap_weight_loader, writes
+
+class GridMoEMethod(compat.FusedMoEMethodBase):
+
+    def __init__(self, quant_config, layer, prefix: str):
+        super().__init__(layer.moe_config)
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        act = compat.moe_activation_name(layer)
+        if act != "silu" or not getattr(self.moe, "is_act_and_mul", True):
+            raise NotImplementedError(f"{self.prefix}: mxfp8-learner-grid MoE supports SiLU-gated experts; "
+                                      f"got activation {act!r}")
+        h, i = hidden_size, intermediate_size_per_partition
+        if h % F.BLOCK_SIZE or i % F.BLOCK_SIZE:
+            raise WireFormatError(f"{self.prefix}: experts of hidden {h}, intermediate {i} per partition are not "
+                                  f"on the MXFP8 grid (multiples of {F.BLOCK_SIZE} needed after TP splitting)")
+        base_loader = extra_weight_attrs.pop("weight_loader")
+        e = num_experts
+        shapes = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i)}
+
+        def shard_key(*args, **kwargs):
+            shard = kwargs.get("shard_id", args[1] if len(args) > 1 else None)
+            expert = kwargs.get("expert_id", args[2] if len(args) > 2 else None)
+            local = layer._map_global_expert_id_to_local_expert_id(expert)
+            return SKIP if local == -1 else (shard, local)
+
+        for wname, shape in shapes.items():
+            sname = wname + "_scale_inv"
+            w = torch.nn.Parameter(torch.empty(shape, dtype=F.FP8_DTYPE), requires_grad=False)
+            s = torch.nn.Parameter(torch.full((*shape[:-1], shape[-1] // F.BLOCK_SIZE), SCALE_SENTINEL,
+                                              dtype=F.SCALE_DTYPE), requires_grad=False)
+            compat.set_weight_attrs(w, extra_weight_attrs)
+            compat.set_weight_attrs(s, {**extra_weight_attrs,
+                                        "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
+            layer.register_parameter(wname, w)
+            layer.register_parameter(sname, s)
+            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, self.prefix, shard_key,
+                                                named_loader=True)
+            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, self.prefix, shard_key)
+        layer.grid_prefix = self.prefix
+        layer.grid_dummy_load = compat.load_format() == "dummy"
+        layer.grid_num_local_experts = e
+        writes(layer).clear()
+
+    def process_weights_after_loading(self, layer) -> None:
+        if layer.grid_dummy_load and not getattr(layer, "grid_processed", False):
+            fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
+            fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
+        else:
+            e = layer.grid_num_local_experts
+            for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                verify_loaded(layer, self.prefix, (wname, wname + "_scale_inv"),
+                              [(sh, x) for sh in shards for x in range(e)])
+        layer.grid_processed = True
+
+    def get_fused_moe_quant_config(self, layer):
+        return compat.moe_quant_config_none()
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise NotImplementedError(f"{self.prefix}: apply_router_weight_on_input is not supported on the grid")
+        return torch.ops.mxfp8_learner_grid.moe(
+            x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+            topk_weights, topk_ids, layer.expert_map)
+
