@@ -4,7 +4,6 @@ import struct
 from fractions import Fraction
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from mxfp8_learner_grid.common import (ModuleSelection, dequantize_blocks, mxfp8_linear_reference, quantize_mxfp8,
                                        quantize_rows, swizzle_scales)
-from mxfp8_learner_grid.common.learner import (GridExperts, GridLinear, apply_learner_grid, export_te_state_dict,
+from mxfp8_learner_grid.common.learner import (GridLinear, apply_learner_grid, export_te_state_dict,
                                                export_wire, grid_linear, wire_from_te)
 from mxfp8_learner_grid.common.wire import split_state_dict
 

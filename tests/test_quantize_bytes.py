@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_mxfp8, quantize_rows, dequantize_mxfp8
 
 import oracle

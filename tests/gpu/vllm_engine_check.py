@@ -10,7 +10,8 @@ three arms, each in its own process:
 * ``grid``: ``quantization="mxfp8-learner-grid"`` (BF16 checkpoint quantized on load);
 * ``bf16``: no quantization;
 * ``grid_kvfp8``: the grid plus ``kv_cache_dtype="fp8"`` with per-layer k/v scales in the
-  checkpoint (the plugin's KV path), reading the scales back from the engine.
+  checkpoint (the plugin's KV path), reading the scales back from the engine;
+* ``grid_tp2``: the grid with tensor parallelism 2 (needs two GPUs).
 
 Each arm returns prompt logprobs of fixed token prompts and 32 greedy tokens per prompt.
 The learner (transformers + ``apply_learner_grid``, and plain BF16) recomputes logprobs
@@ -113,6 +114,8 @@ def run_arm(arm: str, model: str, out: str) -> None:
         kw["quantization"] = "mxfp8-learner-grid"
     if arm.endswith("kvfp8"):
         kw["kv_cache_dtype"] = "fp8"
+    if arm.endswith("tp2"):
+        kw["tensor_parallel_size"] = 2
     t0 = time.time()
     llm = LLM(**kw)
     start_s = time.time() - t0
@@ -174,7 +177,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("--root", default="/tmp/grid-models")
-    ap.add_argument("--arms", default="grid,bf16,grid_kvfp8")
+    ap.add_argument("--arms", default="grid,bf16,grid_kvfp8,grid_tp2")
     ap.add_argument("--_arm", help=argparse.SUPPRESS)
     ap.add_argument("--_model", help=argparse.SUPPRESS)
     ap.add_argument("--_learner", help=argparse.SUPPRESS)
