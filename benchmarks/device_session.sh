@@ -19,8 +19,13 @@ case "${1:-kernels}" in
     python3 benchmarks/bench_quantize.py --sweep --json "$OUT/bench_quantize.json" 2>&1 | tee "$OUT/bench_quantize.log"
     python3 benchmarks/bench_gemm.py --sweep --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
     ;;
+  gemm)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_gemm.py 2>&1 | tee "$OUT/gpu_gemm_tests.log" | tail -5
+    python3 benchmarks/bench_gemm.py --shapes 8b.qkv,8b.gate_up,8b.down --ms 1,16,64,2048,8192 \
+      --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
+    ;;
   engine)
-    python3 tests/gpu/vllm_engine_check.py --shape "${2:-qwen3-8b}" --layers "${3:-4}" \
+    python3 tests/gpu/vllm_engine_check.py --shape "${2:-qwen3-8b}" --layers "${3:-4}" --arms "${4:-grid,bf16}" \
       --out "$OUT/engine_${2:-qwen3-8b}.json" 2>&1 | tee "$OUT/engine_${2:-qwen3-8b}.log" | tail -60
     ;;
 esac

@@ -50,10 +50,12 @@ def _e4m3_to_f32(q, HW: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(q_ptrs, s_ptrs, mask, HW: tl.constexpr):
+def _dequant_tile(q_ptrs, s_ptrs, mask, s_mask, R: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr):
+    # q: (R, BLOCK_K) codes; s: the compact (R, BLOCK_K // 32) scales, broadcast over each 32-block
     q = tl.load(q_ptrs, mask=mask, other=0)
-    s = tl.load(s_ptrs, mask=mask, other=127)
-    v = _e4m3_to_f32(q, HW) * _e8m0_to_f32(s)
+    s = _e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, BLOCK_K // 32, 32)), (R, BLOCK_K))
+    v = _e4m3_to_f32(q, HW) * s
     if HW:
         return v.to(tl.bfloat16)
     else:
@@ -81,6 +83,7 @@ def _grid_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 32)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -88,13 +91,15 @@ def _grid_gemm_kernel(
     k_begin = pid_k * k_per_split
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         kk = k0 + offs_k
+        kb = k0 // 32 + offs_kb
         k_ok = kk < K
+        kb_ok = kb < K // 32
         a = _dequant_tile(xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                          xs_ptr + offs_m[:, None].to(tl.int64) * stride_xsm + (kk // 32)[None, :],
-                          m_ok[:, None] & k_ok[None, :], HW)
+                          xs_ptr + offs_m[:, None].to(tl.int64) * stride_xsm + kb[None, :],
+                          m_ok[:, None] & k_ok[None, :], m_ok[:, None] & kb_ok[None, :], BLOCK_M, BLOCK_K, HW)
         b = _dequant_tile(wq_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                          ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn + (kk // 32)[None, :],
-                          n_ok[:, None] & k_ok[None, :], HW)
+                          ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn + kb[None, :],
+                          n_ok[:, None] & k_ok[None, :], n_ok[:, None] & kb_ok[None, :], BLOCK_N, BLOCK_K, HW)
         acc = tl.dot(a, tl.trans(b), acc)
     if HAS_BIAS:
         if pid_k == 0:
@@ -200,17 +205,20 @@ def _grid_moe_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 32)
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
+        kb = k0 // 32 + offs_kb
         k_ok = kk < K
+        kb_ok = kb < K // 32
         a = _dequant_tile(aq_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
-                          as_ptr + rows[:, None].to(tl.int64) * stride_asm + (kk // 32)[None, :],
-                          s_ok[:, None] & k_ok[None, :], HW)
+                          as_ptr + rows[:, None].to(tl.int64) * stride_asm + kb[None, :],
+                          s_ok[:, None] & k_ok[None, :], s_ok[:, None] & kb_ok[None, :], BLOCK_M, BLOCK_K, HW)
         b = _dequant_tile(wq_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                          ws_ptr + e64 * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn + (kk // 32)[None, :],
-                          n_ok[:, None] & k_ok[None, :], HW)
+                          ws_ptr + e64 * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn + kb[None, :],
+                          n_ok[:, None] & k_ok[None, :], n_ok[:, None] & kb_ok[None, :], BLOCK_N, BLOCK_K, HW)
         acc = tl.dot(a, tl.trans(b), acc)
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_w_ptr + slots, mask=s_ok, other=0.0).to(tl.float32)

@@ -114,7 +114,7 @@ def _mxfp8_quantize_kernel(
 
 #: tile shapes (BLOCK_M, BLOCK_K, num_warps), chosen on the H200 by benchmarks/bench_quantize.py
 ROWWISE_CONFIG = (32, 128, 4)
-BOTH_CONFIG = (64, 64, 4)
+BOTH_CONFIG = (32, 128, 4)
 SMALL_M_CONFIG = (16, 128, 4)
 
 

@@ -178,6 +178,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--root", default="/tmp/grid-models")
     ap.add_argument("--arms", default="grid,bf16,grid_kvfp8,grid_tp2")
+    ap.add_argument("--arm-timeout", type=int, default=200)
     ap.add_argument("--_arm", help=argparse.SUPPRESS)
     ap.add_argument("--_model", help=argparse.SUPPRESS)
     ap.add_argument("--_learner", help=argparse.SUPPRESS)
@@ -195,9 +196,17 @@ def main():
     for arm in args.arms.split(","):
         j = f"{args.root}/{args.shape}-{arm}.json"
         t = time.time()
-        r = subprocess.run([sys.executable, __file__, "--_arm", arm, "--_model", kvpath if arm.endswith("kvfp8") else path,
-                            "--_json", j], capture_output=True, text=True,
-                           env=dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1"))
+        try:
+            r = subprocess.run([sys.executable, __file__, "--_arm", arm, "--_model",
+                                kvpath if arm.endswith("kvfp8") else path, "--_json", j], capture_output=True,
+                               text=True, env=dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
+                               timeout=args.arm_timeout)
+        except subprocess.TimeoutExpired as exc:
+            report["arms"][arm] = {"error": f"timeout after {args.arm_timeout}s",
+                                   "tail": (exc.stderr or b"")[-3000:].decode(errors="replace")
+                                   if isinstance(exc.stderr, bytes) else str(exc.stderr)[-3000:]}
+            print(f"[{arm}] TIMEOUT", flush=True)
+            continue
         if r.returncode:
             report["arms"][arm] = {"error": r.stderr[-4000:]}
             print(f"[{arm}] FAILED\n{r.stderr[-4000:]}", flush=True)
@@ -213,7 +222,7 @@ def main():
     json.dump(seqs, open(sj, "w"))
     lj = f"{args.root}/{args.shape}-learner.json"
     r = subprocess.run([sys.executable, __file__, "--_learner", sj, "--_model", path, "--_json", lj],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, timeout=240)
     if r.returncode:
         report["learner_error"] = r.stderr[-4000:]
         print(r.stderr[-4000:])
