@@ -76,7 +76,7 @@ def main():
             x8 = [(x.to(torch.float8_e4m3fn), torch.ones(m, 1, device=dev)) for x in xs]
             sets = list(zip(xs, ws, wq, w8, xq, x8))
             t_bf = bench(lambda x, w, *_: torch.mm(x, w.t()), sets)
-            t_f8 = bench(lambda x, w, q, w8_, xq_, x8_: torch._scaled_mm(x8_[0], w8_[0][0].t(), x8_[1], w8_[1],
+            t_f8 = bench(lambda x, w, q, w8_, xq_, x8_: torch._scaled_mm(x8_[0], w8_[0].t(), x8_[1], w8_[1],
                                                                       out_dtype=torch.bfloat16), sets)
             t_grid = bench(lambda x, w, q, *_: torch.ops.mxfp8_learner_grid.linear(x, q[0], q[1], None), sets)
             t_gemm = bench(lambda x, w, q, w8_, xq_, x8_: gemm_triton.grid_gemm(xq_[0], xq_[1], q[0], q[1], None,

@@ -1,6 +1,7 @@
 """The Triton GEMMs against common/'s reference on the GPU (fresh inputs each run, poisoned outputs).
 
-Skipped without a GPU.  Last run on the H200: see BENCHMARKS.md, "GPU test runs".
+Skipped without a GPU.  Last run on an H200 (device kind nvidia-h200-x2, GPU 0, torch 2.11 +
+triton 3.6) on 2026-11-30: 13 passed (BENCHMARKS.md, "GPU test runs").
 Tolerance: both sides take exactly the same dequantized operands; only the FP32
 summation order differs (tensor-core tiles vs. one matmul), so outputs computed in FP32
 agree to ~1e-6 relative.  BF16 outputs differ by at most one BF16 rounding.

@@ -175,7 +175,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="/tmp/engine_check.json")
     ap.add_argument("--root", default="/tmp/grid-models")
     ap.add_argument("--arms", default="grid,bf16,grid_kvfp8,grid_tp2")
     ap.add_argument("--arm-timeout", type=int, default=200)
