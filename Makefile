@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 env: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python examples/grid_demo.py
+	$(VENV)/bin/python examples/serve_demo.py
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q tests
