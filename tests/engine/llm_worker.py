@@ -4,7 +4,7 @@
 
 Keys: model, quantization (optional), dtype (default float32), hf_overrides, max_tokens,
 prompts (token id lists), digest (sha256 of every parameter), methods (quant method per
-module), tp (tensor_parallel_size).
+module), tp (tensor_parallel_size), ep (enable_expert_parallel).
 """
 
 import json
@@ -16,6 +16,8 @@ def main():
     from vllm import LLM, SamplingParams
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, tensor_parallel_size=spec.get("tp", 1))
+    if spec.get("ep"):
+        kw["enable_expert_parallel"] = True
     for k in ("quantization", "hf_overrides", "kv_cache_dtype"):
         if spec.get(k) is not None:
             kw[k] = spec[k]

