@@ -67,3 +67,14 @@ def test_selection_rules():
         ModuleSelection(include=["re:("])
     with pytest.raises(ValueError, match="unknown module-selection keys"):
         ModuleSelection.from_dict({"inclde": ["*"]})
+
+
+def test_kv_scales():
+    from mxfp8_learner_grid.common.kv_scales import kv_scale, kv_scale_from_amax, kv_scale_tensors
+    assert kv_scale_from_amax(448.0) == 1.0 and kv_scale_from_amax(0.0) == 1e-12
+    assert kv_scale(torch.tensor([[-896.0, 3.0]])) == 2.0
+    t = kv_scale_tensors({0: 44.8}, {0: 4.48}, margin=2.0)
+    assert t["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.2)
+    assert t["model.layers.0.self_attn.v_scale"].dtype == torch.float32
+    with pytest.raises(ValueError):
+        kv_scale_from_amax(float("nan"))
