@@ -56,4 +56,4 @@ def mxfp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale_i
     y = a @ w.t()
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

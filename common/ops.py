@@ -64,6 +64,18 @@ def _(x, weight, weight_scale_inv, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("mxfp8_learner_grid::linear_dequantized", mutates_args=())
+def grid_linear_dequantized(x: torch.Tensor, weight_dequantized: torch.Tensor,
+                            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The grid Linear with W's exact fp32 values precomputed (a derived copy the caller keeps in sync)."""
+    return mxfp8_linear_reference(x, weight_dequantized, None, bias, weight_dequantized=weight_dequantized)
+
+
+@grid_linear_dequantized.register_fake
+def _(x, weight_dequantized, bias):
+    return x.new_empty((*x.shape[:-1], weight_dequantized.shape[0]))
+
+
 # -- MoE ----------------------------------------------------------------------------------
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:

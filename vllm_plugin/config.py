@@ -107,10 +107,10 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
             raise ValueError(f"{QUANT_METHOD} does not compose with --quantization-config (vLLM online "
                              "quantization would quantize the learner's grid a second time)")
         from .kv_cache import GridKVCacheMethod
-        from .linear_method import GridLinearMethod
+        from .linear_method import GridLinearMethod, GridPlainLinearMethod
         from .moe_method import GridMoEMethod
         if isinstance(layer, compat.LinearBase):
-            return GridLinearMethod(self, prefix) if self.on_grid(prefix) else compat.UnquantizedLinearMethod()
+            return GridLinearMethod(self, prefix) if self.on_grid(prefix) else GridPlainLinearMethod()
         if isinstance(layer, compat.MOE_LAYER_TYPES):
             if self.on_grid(prefix):
                 return GridMoEMethod(self, layer, prefix)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.linear import dequantize_weight
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 from . import compat
 from .loading import SCALE_SENTINEL, check_complete, wrap_scale_loader, wrap_weight_loader, writes
 from .dummy import fill_dummy_grid_weights
+
+
+CPU_CACHE_ENV = "MXFP8_GRID_CPU_CACHE"
 
 
 def _expected_shards(layer, n_parts: int):
@@ -61,17 +67,49 @@ class GridLinearMethod(compat.LinearMethodBase):
         writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
-        # Idempotent and allocation-free after the first call: the kernel reads the
-        # parameters as loaded (compact [N, K/32] scales), so there is nothing derived to
-        # rebuild -- and nothing to reallocate under a captured CUDA graph.
-        if layer.grid_dummy_load and not getattr(layer, "grid_processed", False):
+        # Idempotent, and allocation-free after the first call.  On CUDA the kernel reads the
+        # parameters as loaded (compact [N, K/32] scales): nothing derived.  On CPU a derived
+        # fp32 copy of W's exact values (a registered buffer, rebuilt in place after every
+        # update) saves dequantizing W in every forward.
+        first = not getattr(layer, "grid_processed", False)
+        if layer.grid_dummy_load and first:
             fill_dummy_grid_weights(layer.weight, layer.weight_scale_inv, self.prefix)
-        else:
+        elif first:
             verify_loaded(layer, self.prefix, ("weight", "weight_scale_inv"), layer.grid_expected_shards)
+        if first and layer.weight.device.type == "cpu" and os.environ.get(CPU_CACHE_ENV, "1") != "0":
+            layer.register_buffer("weight_dequant", dequantize_weight(layer.weight, layer.weight_scale_inv),
+                                  persistent=False)
+        self.update_refresh(layer)
         layer.grid_processed = True
 
+    def update_refresh(self, layer) -> None:
+        """After new bytes: rebuild derived copies in their existing storage."""
+        if hasattr(layer, "weight_dequant"):
+            with torch.no_grad():
+                layer.weight_dequant.copy_(dequantize_weight(layer.weight, layer.weight_scale_inv))
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if hasattr(layer, "weight_dequant"):
+            return torch.ops.mxfp8_learner_grid.linear_dequantized(x, layer.weight_dequant, bias)
         return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
+
+
+class GridPlainLinearMethod(compat.UnquantizedLinearMethod):
+    """A Linear kept off the grid (lm_head-like layers, MoE routers): vLLM's unquantized method,
+    except that on CPU it keeps the plain weight parameter (no prepacking that deletes it), so
+    that in-place weight updates can write it like any other parameter."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer._cpu_skip_gemm_dispatch = True
+        super().process_weights_after_loading(layer)
+
+
+def register_derived(model, registry) -> None:
+    """Register every derived tensor of the on-grid layers (see common/sync/derived.py)."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "quant_method", None), GridLinearMethod) and hasattr(m, "weight_dequant"):
+            registry.register(name, "weight_dequant", m.weight_dequant,
+                              lambda m=m: dequantize_weight(m.weight, m.weight_scale_inv))
 
 
 def verify_loaded(layer, prefix, params, expected_shards) -> None:

@@ -66,7 +66,9 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
         writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
-        if layer.grid_dummy_load and not getattr(layer, "grid_processed", False):
+        if getattr(layer, "grid_processed", False):
+            return                       # updates: nothing derived to rebuild, nothing to reallocate
+        if layer.grid_dummy_load:
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
         else:

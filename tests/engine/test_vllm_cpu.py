@@ -88,7 +88,7 @@ def test_engine_computes_the_learners_grid_forward(models, kind):
     if kind == "moe":
         assert sum(v == "GridMoEMethod" for v in methods.values()) == 2
     assert methods["lm_head"] != "GridLinearMethod"
-    assert all(v == "UnquantizedLinearMethod" for k, v in methods.items() if k.endswith("mlp.gate"))
+    assert all(v == "GridPlainLinearMethod" for k, v in methods.items() if k.endswith("mlp.gate"))
 
     lg, _ = learner_logprobs(path, PROMPTS, grid=True)
     lb, _ = learner_logprobs(path, PROMPTS, grid=False)
@@ -149,7 +149,7 @@ def test_module_selection_through_hf_overrides(models):
                        "max_tokens": 1, "methods": True})
     m = half["methods"][0]
     assert m["model.layers.0.mlp.down_proj"] == "GridLinearMethod"
-    assert m["model.layers.1.mlp.down_proj"] == "UnquantizedLinearMethod"
+    assert m["model.layers.1.mlp.down_proj"] == "GridPlainLinearMethod"
     from mxfp8_learner_grid.common.learner import apply_learner_grid
     from mxfp8_learner_grid.common.selection import ModuleSelection
     learner = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

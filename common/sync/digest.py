@@ -1,0 +1,61 @@
+"""Fingerprints of tensor bytes that both sides of a weight sync compute independently.
+
+``fingerprint(t)`` is a 64-bit position-weighted sum of the tensor's bytes (row-major
+order of its logical elements, read as little-endian 64-bit words, zero-padded):
+``len + sum_i w_i * m_i  mod 2^64`` with ``m_i`` an odd 64-bit mix of the word position ``i``.  Integer addition and multiplication modulo 2^64 are
+exact and associative, so any device and any reduction order give the same value -- a GPU
+computes it in one pass over the weights (no host copy), a CPU learner over its own tensor.
+Any single changed byte changes it (m_i is odd); swapped bytes, shifted rows, wrong
+offsets or a different layout change it with probability ~1 - 2^-64.  It is an integrity
+check against accidents, not a cryptographic hash.
+
+``sampled`` mode fingerprints a deterministic subset of rows (seeded), for a cheaper check
+whose cost the report states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MUL = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
+_MUL2 = -4658895280553007687         # 0xBF58476D1CE4E5B9 as int64
+
+
+def _mix(idx: torch.Tensor, seed: int) -> torch.Tensor:
+    z = idx * _MUL + seed
+    z = (z ^ (z >> 31)) * _MUL2
+    z = z ^ (z >> 29)
+    return z | 1
+
+
+def fingerprint(t: torch.Tensor, seed: int = 0, chunk: int = 1 << 24) -> int:
+    """64-bit fingerprint of ``t``'s bytes in logical (row-major) order; any dtype, any device."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    if n % 8:
+        flat = torch.cat([flat, flat.new_zeros(8 - n % 8)])
+    words = flat.view(torch.int64)
+    total = torch.full((), n, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), chunk):
+        w = words[start:start + chunk]
+        idx = torch.arange(start, start + w.numel(), dtype=torch.int64, device=flat.device)
+        total = total + (w * _mix(idx, seed)).sum()
+    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def sample_rows(n_rows: int, fraction: float, seed: int) -> torch.Tensor:
+    """The rows a sampled check reads: at least one, deterministic for (n_rows, fraction, seed)."""
+    k = max(1, min(n_rows, int(round(n_rows * fraction))))
+    g = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randperm(n_rows, generator=g)[:k]).values
+
+
+def region_fingerprint(t: torch.Tensor, mode: str = "full", fraction: float = 0.02, seed: int = 0) -> int:
+    """Fingerprint of a 2-D (or 3-D) region: all of it (``full``) or a seeded subset of rows."""
+    if mode == "full":
+        return fingerprint(t, seed)
+    if mode != "sampled":
+        raise ValueError(f"digest mode must be 'full' or 'sampled'; got {mode!r}")
+    rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
+    idx = sample_rows(rows.shape[0], fraction, seed).to(rows.device)
+    return fingerprint(rows.index_select(0, idx), seed)

@@ -1,0 +1,151 @@
+"""The update manifest: what a trainer is about to send, validated before the first byte is written.
+
+A manifest lists every tensor of an update (Hugging Face names, shapes, dtypes) plus the
+format (``bf16``: on-grid weights arrive in high precision and are quantized in the engine,
+TE-exact; ``mxfp8``: they arrive as the learner's fp8 bytes + unpadded E8M0 scales) and the
+weight version.  The engine checks it against the checkpoint signature of its own model
+(read from the HF config on the meta device): unknown names, wrong shapes or dtypes,
+duplicates, missing scales, and -- for a full update -- missing tensors are refused before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+from .. import format as F
+from ..selection import ModuleSelection
+from ..wire import SCALE_SUFFIX, WEIGHT_SUFFIX
+
+FORMATS = ("bf16", "mxfp8")
+_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)}
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    shape: list
+    dtype: str
+
+
+@dataclass
+class Manifest:
+    version: int
+    format: str
+    tensors: list = field(default_factory=list)      # [TensorSpec]
+    partial: bool = False                            # True: update only the listed tensors
+    kv_scales: Optional[dict] = None                 # {"<layer>": [k_scale, v_scale]}
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int, format: str,
+           partial: bool = False, kv_scales=None) -> "Manifest":
+        items = named.items() if isinstance(named, Mapping) else named
+        specs = [TensorSpec(n, list(t.shape), str(t.dtype)) for n, t in items]
+        return cls(int(version), format, specs, partial, kv_scales)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> "Manifest":
+        d = json.loads(s)
+        d["tensors"] = [TensorSpec(**t) for t in d.get("tensors", [])]
+        return cls(**d)
+
+
+def checkpoint_signature(hf_config, selection: ModuleSelection) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """{HF checkpoint name: (shape, on_grid)} of the model an engine serves (meta device)."""
+    import transformers
+    from torch import nn
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    grid_modules: set[str] = set()
+    sig: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and selection.matches(mname):
+            grid_modules.add(mname)
+    for name, p in model.state_dict().items():
+        mname = name.rsplit(".", 1)[0]
+        if name.endswith("gate_up_proj") and p.dim() == 3:          # transformers 5 fused experts
+            e, two_i, h = p.shape
+            on = selection.matches(mname)
+            for x in range(e):
+                sig[f"{mname}.{x}.gate_proj.weight"] = ((two_i // 2, h), on)
+                sig[f"{mname}.{x}.up_proj.weight"] = ((two_i // 2, h), on)
+        elif name.endswith("experts.down_proj") and p.dim() == 3:
+            e, h, i = p.shape
+            on = selection.matches(mname)
+            for x in range(e):
+                sig[f"{mname}.{x}.down_proj.weight"] = ((h, i), on)
+        else:
+            sig[name] = (tuple(p.shape), mname in grid_modules and name.endswith(WEIGHT_SUFFIX))
+    return sig
+
+
+def validate(manifest: Manifest, signature: Mapping[str, tuple], plain_dtypes: Mapping[str, torch.dtype],
+             extra_names: Iterable[str] = ()) -> list[str]:
+    """Problems with ``manifest`` against the engine's checkpoint signature ([] = fine).
+
+    ``plain_dtypes``: the dtype the engine holds each high-precision tensor in.
+    ``extra_names``: further names the engine accepts (e.g. per-layer KV scales).
+    """
+    p: list[str] = []
+    if manifest.format not in FORMATS:
+        return [f"format must be one of {FORMATS}; got {manifest.format!r}"]
+    names = [t.name for t in manifest.tensors]
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            p.append(f"{n}: sent twice")
+        seen.add(n)
+    extra = set(extra_names)
+    for t in manifest.tensors:
+        if t.dtype not in _DTYPES:
+            p.append(f"{t.name}: unsupported dtype {t.dtype}")
+            continue
+        dt = _DTYPES[t.dtype]
+        if t.name.endswith(SCALE_SUFFIX):
+            w = t.name[: -len(SCALE_SUFFIX)] + WEIGHT_SUFFIX
+            if w not in signature or not signature[w][1]:
+                p.append(f"{t.name}: scales for a tensor that is not an on-grid weight")
+                continue
+            if manifest.format != "mxfp8":
+                p.append(f"{t.name}: scales in a format='bf16' update (the engine quantizes bf16 weights itself)")
+            shape, _ = signature[w]
+            want = [*shape[:-1], shape[-1] // F.BLOCK_SIZE]
+            if dt != F.SCALE_DTYPE or list(t.shape) != want:
+                hint = " (TE padding not stripped?)" if list(t.shape) != want and len(t.shape) == len(want) and \
+                    all(a >= b for a, b in zip(t.shape, want)) else ""
+                p.append(f"{t.name}: expected uint8 {want}; got {t.dtype} {list(t.shape)}{hint}")
+            continue
+        if t.name in extra:
+            continue
+        if t.name not in signature:
+            p.append(f"{t.name}: unknown tensor (not in this model's checkpoint)")
+            continue
+        shape, on_grid = signature[t.name]
+        if list(t.shape) != list(shape):
+            p.append(f"{t.name}: shape {list(t.shape)}; the model has {list(shape)}")
+        if on_grid:
+            want_dt = F.FP8_DTYPE if manifest.format == "mxfp8" else None
+            if want_dt is not None and dt != want_dt:
+                p.append(f"{t.name}: on-grid weight in a format='mxfp8' update must be float8_e4m3fn; got {t.dtype}")
+            if want_dt is None and dt not in (torch.bfloat16, torch.float16, torch.float32):
+                p.append(f"{t.name}: on-grid weight in a format='bf16' update must be high precision; got {t.dtype}")
+            if manifest.format == "mxfp8":
+                sn = t.name[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX
+                if sn not in seen:
+                    p.append(f"{sn}: missing (every fp8 weight needs its scales)")
+        else:
+            want = plain_dtypes.get(t.name)
+            if want is not None and dt != want:
+                p.append(f"{t.name}: dtype {t.dtype}; the engine holds it as {want}")
+    if not manifest.partial:
+        missing = [n for n in signature if n not in seen]
+        if missing:
+            p.append(f"full update misses {len(missing)} tensors, e.g. {missing[:4]} (send partial=True to update a subset)")
+    return p

@@ -1,0 +1,125 @@
+"""Watching an engine's own loaders write a weight update: every ``copy_`` into the model.
+
+While a :class:`WriteRecorder` is active (a ``TorchDispatchMode``), each ``aten.copy_`` whose
+destination lives in a registered parameter is
+
+* attributed: to the learner tensor (name, role) its source came from -- the incoming
+  tensor itself, or a tensor our loaders derived from it (fp8 data and scales quantized
+  from a BF16 weight) -- and to a destination box in the parameter;
+* checked before it happens: dtype (no silent casts into a parameter), no NaN where the
+  format forbids it (fp8 codes 0x7F/0xFF, E8M0 scale 255);
+* backed up (optional): the parameter's previous bytes are copied to host memory the first
+  time it is touched, so that a failed update can be undone, whole.
+
+This is engine-agnostic: it sees tensors, not vLLM or SGLang classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import format as F
+from .regions import Box, view_box
+
+
+class UpdateRejected(ValueError):
+    """An update that failed validation; the message names the tensor."""
+
+
+@dataclass
+class Write:
+    source: str               # learner tensor name (HF name)
+    role: str                 # "data" | "scale" | "plain"
+    src_box: Optional[Box]    # in the learner tensor (None: not a box, e.g. a scalar broadcast)
+    param: str                # engine parameter name
+    dest_box: Optional[Box]   # in the engine parameter
+
+
+@dataclass
+class _Source:
+    name: str
+    role: str
+    base_shape: tuple
+    base_offset: int
+
+
+def _nan_codes(t: torch.Tensor) -> bool:
+    b = t.view(torch.uint8)
+    return bool(((b & 0x7F) == 0x7F).any())
+
+
+@dataclass
+class WriteRecorder(TorchDispatchMode):
+    params: dict                                  # name -> tensor (parameters the update may write)
+    backup: bool = True
+    writes: list = field(default_factory=list)
+    backups: dict = field(default_factory=dict)   # param name -> host copy of its previous bytes
+    _by_storage: dict = field(default_factory=dict)
+    _sources: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__init__()
+        for name, p in self.params.items():
+            self._by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+
+    # -- sources ---------------------------------------------------------------------
+    def add_source(self, t: torch.Tensor, name: str, role: str) -> None:
+        """Register a tensor whose copies into the model belong to learner tensor ``name``."""
+        self._sources[t.untyped_storage().data_ptr()] = _Source(name, role, tuple(t.shape), t.storage_offset())
+
+    def source_of(self, t: torch.Tensor) -> Optional[_Source]:
+        try:
+            return self._sources.get(t.untyped_storage().data_ptr())
+        except Exception:
+            return None
+
+    # -- dispatch ------------------------------------------------------------------
+    def _param_of(self, t: torch.Tensor):
+        try:
+            cands = self._by_storage.get(t.untyped_storage().data_ptr())
+        except Exception:
+            return None
+        return cands[0] if cands else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            dest, src = args[0], args[1]
+            hit = self._param_of(dest)
+            if hit is not None:
+                self._on_write(hit[0], hit[1], dest, src)
+        return func(*args, **kwargs)
+
+    def _on_write(self, pname, param, dest, src):
+        s = self.source_of(src) if isinstance(src, torch.Tensor) else None
+        sname = s.name if s else "<unattributed>"
+        if isinstance(src, torch.Tensor):
+            if dest.dtype != src.dtype:
+                raise UpdateRejected(f"{sname}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
+                                     "send the parameter's dtype")
+            if src.dtype == F.FP8_DTYPE and _nan_codes(src):
+                raise UpdateRejected(f"{sname}: fp8 weight holds NaN codes, which the wire format forbids")
+            if src.dtype == F.SCALE_DTYPE and s is not None and s.role == "scale" and bool((src == 255).any()):
+                raise UpdateRejected(f"{sname}: E8M0 scale 255 (NaN) is not a valid learner scale")
+            if src.is_floating_point() and src.dtype != F.FP8_DTYPE and not bool(torch.isfinite(src).all()):
+                raise UpdateRejected(f"{sname}: holds NaN or Inf")
+        if self.backup and pname not in self.backups:
+            self.backups[pname] = param.detach().to("cpu", copy=True)
+        dbox = view_box(dest, param.shape, param.storage_offset())
+        sbox = view_box(src, s.base_shape, s.base_offset) if (s is not None and isinstance(src, torch.Tensor)) \
+            else None
+        self.writes.append(Write(sname, s.role if s else "plain", sbox, pname, dbox))
+
+    # -- undo ------------------------------------------------------------------------
+    @torch.no_grad()
+    def rollback(self) -> list[str]:
+        """Put every touched parameter's previous bytes back (in its original storage)."""
+        restored = []
+        for name, old in self.backups.items():
+            self.params[name].copy_(old.to(self.params[name].device))
+            restored.append(name)
+        return restored

@@ -1,0 +1,313 @@
+"""An in-place weight update on one engine rank, with the seven sync checks.
+
+Engine-agnostic; an engine plugs in through :class:`EngineAdapter` (its own loader, its
+on-grid layers, the layout it expects, its KV-scale and derived state).  Lifecycle, driven
+by the trainer's client through the engine's RPC::
+
+    begin(manifest)     validate names / shapes / dtypes / completeness before any write;
+                        snapshot data pointers; reset write accounting
+    load(bucket) ...    the engine's own loaders write, watched by a WriteRecorder
+                        (attribution, dtype / NaN checks, host backup of old bytes)
+    finish()            rebuild derived state, apply KV scales, run the local checks;
+                        return fingerprints of what landed where (byte identity is decided
+                        by the client, against the learner's own bytes)
+    commit(accept)      accept: bump the version, drop backups; reject: roll back, whole
+
+Any exception or failed check before commit rolls the parameters back (``backup=True``); with
+``backup=False`` a failed update leaves the rank marked *torn* and the client keeps
+generation paused (fail closed).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from .derived import DerivedRegistry
+from .digest import fingerprint
+from .manifest import Manifest, validate
+from .recorder import UpdateRejected, Write, WriteRecorder
+from .regions import coverage_problems, slice_box
+from .report import CheckResult, SyncReport
+
+
+class EngineAdapter:
+    """What a session needs from an engine rank.  Subclassed in each plugin."""
+
+    rank: int = 0
+    version: int = 0
+
+    def model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Feed HF-named tensors to the engine's own loader."""
+        raise NotImplementedError
+
+    def signature(self) -> tuple[dict, dict, set]:
+        """(checkpoint signature, plain dtypes, extra accepted names) -- see manifest.validate."""
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Reset write accounting etc. before the first write."""
+
+    def after_load(self) -> None:
+        """Rebuild derived state from the new parameters (e.g. process_weights_after_loading)."""
+
+    def grid_accounting(self) -> list[str]:
+        """Problems of the per-shard write accounting (each shard written exactly once)."""
+        return []
+
+    def expected_boxes(self, w: Write):
+        """(src_box, dest_box) the engine's layout implies for this write, or None if it has no opinion."""
+        return None
+
+    def scope(self, touched: set[str]) -> dict[str, torch.Tensor]:
+        """Parameters an update must cover exactly once."""
+        return {}
+
+    def derived(self) -> DerivedRegistry:
+        return DerivedRegistry()
+
+    def set_kv_scales(self, scales: dict) -> list[str]:
+        """Apply {layer index: (k_scale, v_scale)}; return problems."""
+        return [] if not scales else ["this engine has no KV-scale support"]
+
+    def kv_scale_values(self) -> dict:
+        return {}
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+class UpdateSession:
+    def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool = True, digest: str = "sampled",
+                 fraction: float = 0.05, seed: int = 0):
+        t0 = _now()
+        self.adapter, self.manifest = adapter, manifest
+        self.backup, self.digest, self.fraction, self.seed = backup, digest, fraction, seed
+        sig, plain_dtypes, extra = adapter.signature()
+        problems = validate(manifest, sig, plain_dtypes, extra)
+        if problems:
+            raise UpdateRejected("update rejected before any write: " + "; ".join(problems[:12])
+                                 + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
+        model = adapter.model()
+        self.params = dict(model.named_parameters())
+        self.ptrs = {n: p.data_ptr() for n, p in self.params.items()}
+        self.objs = {n: p for n, p in self.params.items()}
+        self.derived_ptrs = {f"{d.owner}.{d.name}": d.tensor.data_ptr() for d in adapter.derived()}
+        self.expected = {t.name for t in manifest.tensors}
+        self.received: set[str] = set()
+        self.silent: list[str] = []        # tensors the engine's loader wrote nowhere
+        self.recorder = WriteRecorder(self.params, backup=backup)
+        self.torn = False
+        self.dead = False
+        self.finished = False
+        adapter.begin()
+        self.timings = {"begin_s": _now() - t0, "load_s": 0.0}
+
+    # -- loading ---------------------------------------------------------------------
+    def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.dead:
+            raise UpdateRejected("this update already failed and was undone; begin a new one")
+        t0 = _now()
+        items = list(bucket)
+        try:
+            for name, t in items:
+                if name not in self.expected:
+                    raise UpdateRejected(f"{name}: not in the manifest of this update")
+                if name in self.received:
+                    raise UpdateRejected(f"{name}: sent twice")
+                role = "scale" if name.endswith("_scale_inv") else ("data" if t.dtype == torch.float8_e4m3fn
+                                                                     else "plain")
+                self.recorder.add_source(t, name, role)
+            n_before = len(self.recorder.writes)
+            with self.recorder:
+                self.adapter.load(items)
+            written = {w.source for w in self.recorder.writes[n_before:]}
+            self.silent += [n for n, _ in items if n not in written]
+            self.received.update(n for n, _ in items)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self.timings["load_s"] += _now() - t0
+
+    def _fail(self, exc: BaseException) -> None:
+        self.dead = True
+        if self.backup:
+            self._rollback()
+        else:
+            self.torn = True
+
+    def _rollback(self) -> list[str]:
+        restored = self.recorder.rollback()
+        # a parameter a faulty step rebound: put the original object back in its module
+        model = self.adapter.model()
+        for name, obj in self.objs.items():
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            if getattr(mod, attr, None) is not obj:
+                setattr(mod, attr, obj)
+        self.adapter.after_load()
+        return restored
+
+    # -- finish: local checks ------------------------------------------------------------
+    def finish(self) -> SyncReport:
+        t0 = _now()
+        report = SyncReport(version=self.manifest.version, applied=False)
+        missing = self.expected - self.received
+        try:
+            if missing:
+                raise UpdateRejected(f"truncated update: {len(missing)} tensors never arrived, e.g. "
+                                     f"{sorted(missing)[:4]}")
+            self.adapter.after_load()
+            kv_problems = self.adapter.set_kv_scales(self.manifest.kv_scales or {})
+        except BaseException as exc:
+            self._fail(exc)
+            report.error = f"{type(exc).__name__}: {exc}"
+            report.rolled_back = self.backup
+            self.finished = True
+            return report
+        report.checks += [self._completeness(), self._layout(), self._derived(), self._storage(),
+                          self._cache_kv(kv_problems)]
+        report.extra["regions"] = self._regions()
+        report.extra["rank"] = self.adapter.rank
+        report.timings = dict(self.timings, finish_s=_now() - t0)
+        if report.failed():
+            if self.backup:
+                self._rollback()
+                report.rolled_back = True
+            else:
+                self.torn = True
+        self.finished = True
+        self.local_ok = not report.failed()
+        return report
+
+    def commit(self, accept: bool) -> bool:
+        """Accept (bump the version) or reject (roll back).  Returns whether the update serves."""
+        if accept and getattr(self, "local_ok", False):
+            self.adapter.version = self.manifest.version
+            self.recorder.backups.clear()
+            return True
+        if self.backup and getattr(self, "local_ok", False):
+            self._rollback()
+        return False
+
+    # -- the checks ----------------------------------------------------------------------
+    def _completeness(self) -> CheckResult:
+        t0 = _now()
+        problems = [f"{n}: the engine's loader wrote it nowhere" for n in self.silent[:16]]
+        problems += list(self.adapter.grid_accounting())
+        by_param: dict[str, list] = {}
+        for w in self.recorder.writes:
+            if w.dest_box is None:
+                problems.append(f"{w.source} -> {w.param}: write is not a box of the parameter")
+                continue
+            by_param.setdefault(w.param, []).append(w.dest_box)
+        scope = self.adapter.scope(set(by_param))
+        for name, p in scope.items():
+            for pr in coverage_problems(by_param.get(name, []), p.shape):
+                problems.append(f"{name}: {pr}")
+        return CheckResult("completeness", not problems, problems, _now() - t0, self.adapter.rank)
+
+    def _layout(self) -> CheckResult:
+        t0 = _now()
+        problems, checked = [], 0
+        for w in self.recorder.writes:
+            exp = self.adapter.expected_boxes(w)
+            if exp is None:
+                continue
+            checked += 1
+            src, dest = exp
+            if (src is not None and w.src_box != src) or w.dest_box != dest:
+                problems.append(f"{w.source} ({w.role}) landed at {w.param}{list(w.dest_box or [])} from "
+                                f"{list(w.src_box or [])}; the layout says {w.param}{list(dest)} from {list(src or [])}")
+        res = CheckResult("layout", not problems, problems, _now() - t0, self.adapter.rank)
+        if not checked:
+            res.ok, res.details = None, ["the engine declared no layout expectations"]
+        return res
+
+    def _derived(self) -> CheckResult:
+        t0 = _now()
+        reg = self.adapter.derived()
+        stale = reg.stale()
+        res = CheckResult("derived_state", not stale, [f"{s}: stale (not rebuilt from the new weights)" for s in stale],
+                          _now() - t0, self.adapter.rank)
+        if not len(reg):
+            res.details = ["no derived tensors registered: the kernels read the parameters as loaded"]
+        return res
+
+    def _storage(self) -> CheckResult:
+        t0 = _now()
+        problems = []
+        model = self.adapter.model()
+        live = dict(model.named_parameters())
+        for name, ptr in self.ptrs.items():
+            p = live.get(name)
+            if p is None:
+                problems.append(f"{name}: parameter disappeared")
+            elif p is not self.objs[name] or p.data_ptr() != ptr:
+                problems.append(f"{name}: reallocated (data pointer changed) -- captured CUDA graphs would read "
+                                "the old storage")
+        for d in self.adapter.derived():
+            key = f"{d.owner}.{d.name}"
+            if key in self.derived_ptrs and d.tensor.data_ptr() != self.derived_ptrs[key]:
+                problems.append(f"{key}: derived tensor reallocated")
+        return CheckResult("storage_stability", not problems, problems, _now() - t0, self.adapter.rank)
+
+    def _cache_kv(self, kv_problems: list[str]) -> CheckResult:
+        t0 = _now()
+        problems = list(kv_problems)
+        want = self.manifest.kv_scales or {}
+        have = self.adapter.kv_scale_values()
+        for layer, (k, v) in want.items():
+            got = have.get(int(layer))
+            if got is None:
+                problems.append(f"layer {layer}: engine has no KV scales")
+            elif abs(got[0] - k) > 1e-6 * max(1.0, k) or abs(got[1] - v) > 1e-6 * max(1.0, v):
+                problems.append(f"layer {layer}: KV scales are {got}, the trainer sent {(k, v)}")
+        res = CheckResult("cache_coherence", not problems, problems, _now() - t0, self.adapter.rank)
+        res.details.append("prefix-cache flush is checked by the client (probe)")
+        return res
+
+    def _regions(self) -> list:
+        """(source, role, src_box, param, dest_box, fingerprint) of the writes, all or a seeded sample."""
+        writes = [w for w in self.recorder.writes if w.role in ("data", "scale") or self.digest == "full"]
+        if self.digest == "sampled":
+            rnd = random.Random(self.seed)
+            k = max(1, int(round(len(writes) * self.fraction))) if writes else 0
+            writes = rnd.sample(writes, k) if k < len(writes) else writes
+        t0 = _now()
+        out = []
+        live = dict(self.adapter.model().named_parameters())
+        for w in writes:
+            if w.dest_box is None or w.param not in live:
+                continue
+            out.append([w.source, w.role, [list(b) for b in (w.src_box or [])], w.param,
+                        [list(b) for b in w.dest_box], fingerprint(slice_box(live[w.param].detach(), w.dest_box))])
+        self.timings["digest_s"] = _now() - t0
+        return out
+
+
+def fingerprint_regions(truth: dict, regions: list) -> list[str]:
+    """Client side of byte identity: compare the engine's region fingerprints with the learner's own bytes.
+
+    ``truth``: {learner name: tensor} -- fp8 data and uint8 scales for on-grid weights (as the
+    learner holds them), plain tensors otherwise.
+    """
+    problems = []
+    for source, role, src_box, param, dest_box, fp in regions:
+        t = truth.get(source)
+        if t is None:
+            problems.append(f"{source}: the learner has no such tensor")
+            continue
+        box = tuple(tuple(b) for b in src_box) if src_box else None
+        mine = fingerprint(slice_box(t, box) if box else t)
+        if mine != fp:
+            problems.append(f"{source} ({role}) -> {param}{dest_box}: engine bytes differ from the learner's")
+    return problems

@@ -1,0 +1,233 @@
+"""vLLM side of an in-place weight update: the EngineAdapter over one worker's model.
+
+The engine's own loader (``model.load_weights``: q/k/v and gate/up fusing, TP narrowing,
+expert ids) writes; this adapter tells the session what vLLM's layout *should* have done
+with each tensor -- computed from the layer's own metadata (head counts, output sizes,
+TP rank, expert map), independently of the loader -- and which shards each on-grid layer
+must have received exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
+from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
+from mxfp8_learner_grid.common.sync.session import EngineAdapter
+
+from .loading import ALL_SHARDS, writes
+
+_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+
+
+class VLLMAdapter(EngineAdapter):
+
+    def __init__(self, model: torch.nn.Module, vllm_config, rank: int = 0):
+        self._model = model
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.version = 0
+        self.registry = DerivedRegistry()
+        self._sig = None
+        self.faults: set[str] = set()
+
+    # -- basics -------------------------------------------------------------------------
+    def model(self):
+        return self._model
+
+    def load(self, named):
+        named = list(named)
+        if "crash_midway" in self.faults and getattr(self, "_loads", 0) >= 1:
+            raise RuntimeError("injected fault: the transport died halfway through the update")
+        self._loads = getattr(self, "_loads", 0) + 1
+        if "swap_kv" in self.faults:          # a loader that puts k where v goes (wrong fused-shard offset)
+            named = [(n.replace("layers.0.self_attn.k_proj", "@").replace("layers.0.self_attn.v_proj",
+                      "layers.0.self_attn.k_proj").replace("@", "layers.0.self_attn.v_proj"), t) for n, t in named]
+        if "duplicate_shard" in self.faults:  # v loaded into the k shard: counts look complete, v never written
+            named = [(n.replace("layers.0.self_attn.v_proj", "layers.0.self_attn.k_proj"), t) for n, t in named]
+        if "skip_expert" in self.faults:      # a loader that drops one expert
+            named = [(n, t) for n, t in named if ".experts.1." not in n]
+        self._model.load_weights(iter(named))
+
+    def quant_config(self):
+        return self.vllm_config.quant_config
+
+    def grid_layers(self):
+        from .linear_method import GridLinearMethod
+        from .moe_method import GridMoEMethod
+        for name, m in self._model.named_modules():
+            if isinstance(getattr(m, "quant_method", None), (GridLinearMethod, GridMoEMethod)):
+                yield name, m
+
+    def signature(self):
+        if self._sig is None:
+            qc = self.quant_config()
+            sig = checkpoint_signature(self.vllm_config.model_config.hf_config, qc.selection)
+            dtype = self.vllm_config.model_config.dtype
+            self._sig = (sig, {n: dtype for n, (_, g) in sig.items() if not g}, set())
+        return self._sig
+
+    def begin(self):
+        for _, layer in self.grid_layers():
+            writes(layer).clear()
+
+    def after_load(self):
+        """Derived state after new bytes: our methods keep none on the GPU; on CPU vLLM's own
+        unquantized embedding / lm_head keep a packed GEMM copy, rebuilt here."""
+        from vllm.platforms import current_platform
+        if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
+            layer = next(iter(self.grid_layers()))[1]
+            name = "weight" if hasattr(layer, "weight") else "w13_weight"
+            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
+        if "skip_rebuild" in self.faults:
+            return
+        for _, m in self._model.named_modules():
+            qm = getattr(m, "quant_method", None)
+            if qm is None:
+                continue
+            if hasattr(m, "grid_processed"):
+                if hasattr(qm, "update_refresh"):
+                    qm.update_refresh(m)          # derived copies, rebuilt in place
+                else:
+                    qm.process_weights_after_loading(m)
+            elif current_platform.is_cpu() and type(qm).__name__ == "UnquantizedEmbeddingMethod":
+                qm.process_weights_after_loading(m)
+
+    def derived(self):
+        return self.registry
+
+    # -- completeness -----------------------------------------------------------------------
+    def scope(self, touched):
+        params = dict(self._model.named_parameters())
+        manifest_partial = getattr(self, "_partial", False)
+        skip = ("k_scale", "v_scale", "q_scale", "prob_scale")
+        if manifest_partial:
+            return {n: params[n] for n in touched if n in params}
+        return {n: p for n, p in params.items() if not n.endswith(skip)}
+
+    def grid_accounting(self):
+        problems = []
+        for prefix, layer in self.grid_layers():
+            w = writes(layer)
+            for (param, shard), n in w.items():
+                if n > 1:
+                    problems.append(f"{prefix}.{param}[{shard}]: written {n} times")
+            if getattr(self, "_partial", False):
+                continue
+            expected = getattr(layer, "grid_expected_shards", None)
+            if expected is not None:                              # dense
+                for p in ("weight", "weight_scale_inv"):
+                    for s in expected:
+                        if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0:
+                            problems.append(f"{prefix}.{p}[{s}]: never written")
+            else:                                                 # MoE
+                e = layer.grid_num_local_experts
+                for p, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                    for q in (p, p + "_scale_inv"):
+                        for s in shards:
+                            for x in range(e):
+                                if w.get((q, (s, x)), 0) == 0:
+                                    problems.append(f"{prefix}.{q}[{s}, expert {x}]: never written")
+        return problems
+
+    # -- layout: what vLLM's loader must have done ------------------------------------------
+    def expected_boxes(self, w):
+        if w.role not in ("data", "scale") or w.dest_box is None:
+            return None
+        mod_name, _, pname = w.param.rpartition(".")
+        try:
+            layer = self._model.get_submodule(mod_name)
+        except AttributeError:
+            return None
+        div = F.BLOCK_SIZE if w.role == "scale" else 1
+        m = _EXPERT.search("." + w.source)
+        if m is not None and hasattr(layer, "grid_num_local_experts"):
+            return self._expert_boxes(layer, int(m.group(1)), m.group(2), div)
+        if not hasattr(layer, "grid_expected_shards"):
+            return None
+        return self._dense_boxes(layer, w.source, div)
+
+    def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
+        from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                                       RowParallelLinear)
+        n, kk = layer.weight.shape
+        k = kk // div
+        if isinstance(layer, QKVParallelLinear):
+            short = source.rsplit(".", 2)[-2]
+            shard = _QKV.get(short)
+            if shard is None:
+                return None
+            hd = layer.head_size
+            q, kv = layer.num_heads * hd, layer.num_kv_heads * layer.head_size
+            off = {"q": 0, "k": q, "v": q + kv}[shard]
+            size = q if shard == "q" else kv
+            r = layer.tp_rank if shard == "q" else layer.tp_rank // layer.num_kv_head_replicas
+            return ((r * size, size), (0, k)), ((off, size), (0, k))
+        if isinstance(layer, MergedColumnParallelLinear):
+            short = source.rsplit(".", 2)[-2]
+            names = ("gate_proj", "up_proj")
+            if short not in names:
+                return None
+            i = names.index(short)
+            local = [s // layer.tp_size for s in layer.output_sizes]
+            off = sum(local[:i])
+            return ((layer.tp_rank * local[i], local[i]), (0, k)), ((off, local[i]), (0, k))
+        if isinstance(layer, RowParallelLinear):
+            return ((0, n), (layer.tp_rank * k, k)), ((0, n), (0, k))
+        return ((0, n), (0, k)), ((0, n), (0, k))
+
+    def _expert_boxes(self, layer, expert: int, proj: str, div: int):
+        local = layer._map_global_expert_id_to_local_expert_id(expert)
+        if local < 0:
+            return None
+        cfg = layer.moe_config
+        tp_rank, tp_size = getattr(cfg, "tp_rank", 0), getattr(cfg, "tp_size", 1)
+        if proj == "down_proj":
+            _, h, i = layer.w2_weight.shape
+            ik = i // div
+            return ((0, h), (tp_rank * ik, ik)), ((local, 1), (0, h), (0, ik))
+        _, two_i, h = layer.w13_weight.shape
+        i, hk = two_i // 2, h // div
+        off = 0 if proj == "gate_proj" else i
+        return ((tp_rank * i, i), (0, hk)), ((local, 1), (off, i), (0, hk))
+
+    # -- KV scales -------------------------------------------------------------------------
+    def _attn_layers(self):
+        out = {}
+        for name, m in self._model.named_modules():
+            if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype"):
+                mt = re.search(r"layers\.(\d+)\.", name + ".")
+                if mt:
+                    out[int(mt.group(1))] = m
+        return out
+
+    def set_kv_scales(self, scales):
+        if "skip_kv" in self.faults:
+            return []
+        problems = []
+        layers = self._attn_layers()
+        for key, (k, v) in scales.items():
+            m = layers.get(int(key))
+            if m is None:
+                problems.append(f"layer {key}: no attention layer")
+                continue
+            with torch.no_grad():
+                m._k_scale.fill_(float(k))
+                m._v_scale.fill_(float(v))
+            # host-side copies some backends read (written in place, never rebound)
+            for attr, val in (("_k_scale_float", float(k)), ("_v_scale_float", float(v))):
+                if hasattr(m, attr):
+                    setattr(m, attr, val)
+            for attr, val in (("_k_scale_cpu", float(k)), ("_v_scale_cpu", float(v))):
+                t = getattr(m, attr, None)
+                if isinstance(t, torch.Tensor):
+                    t.fill_(val)
+        return problems
+
+    def kv_scale_values(self):
+        return {i: (float(m._k_scale), float(m._v_scale)) for i, m in self._attn_layers().items()}

@@ -1,0 +1,103 @@
+"""``--worker-extension-cls mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension``
+
+RPC methods every vLLM worker gains (``LLM.collective_rpc`` / ``EngineClient.collective_rpc``).
+Arguments and results are strings / JSON-able dicts, so the same calls work in-process and
+over HTTP.  The trainer-side client (``vllm_plugin.client``) drives them:
+
+    grid_update_begin(manifest_json, options_json)   validate, snapshot, start recording
+    grid_update_load(source_json)                    one bucket through vLLM's own loaders
+    grid_update_finish()                             local checks + region fingerprints (report dict)
+    grid_update_commit("1" | "0")                    accept (bump version) or roll back
+    grid_update_abort()                              roll back now
+    grid_state()                                     version, torn flag, on-grid layer count
+    grid_fingerprints(names_json)                    fingerprints of named parameters (for tests)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from mxfp8_learner_grid.common.sync.digest import fingerprint
+from mxfp8_learner_grid.common.sync.manifest import Manifest
+from mxfp8_learner_grid.common.sync.session import UpdateSession
+from mxfp8_learner_grid.common.sync.transport import read_source
+
+FAULTS_ENV = "MXFP8_GRID_FAULTS"
+
+
+class GridWorkerExtension:
+
+    def _grid(self):
+        ad = getattr(self, "_grid_adapter_obj", None)
+        if ad is None:
+            from .sync_adapter import VLLMAdapter
+            model = self.model_runner.model if hasattr(self.model_runner, "model") else self.model_runner.get_model()
+            rank = int(getattr(self, "rank", 0) or 0)
+            ad = VLLMAdapter(model, self.vllm_config, rank)
+            from .linear_method import register_derived
+            register_derived(model, ad.registry)
+            self._grid_adapter_obj = ad
+        return ad
+
+    def _device(self):
+        p = next(self._grid().model().parameters())
+        return p.device
+
+    def grid_update_begin(self, manifest_json: str, options_json: str = "{}") -> dict:
+        opts = json.loads(options_json)
+        ad = self._grid()
+        manifest = Manifest.from_json(manifest_json)
+        ad._partial = manifest.partial
+        ad._loads = 0
+        prev = getattr(self, "_grid_session", None)
+        if prev is not None and not prev.finished:
+            prev.commit(False)
+        self._grid_session = UpdateSession(ad, manifest, backup=bool(opts.get("backup", True)),
+                                           digest=opts.get("digest", "sampled"),
+                                           fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))
+        return {"rank": ad.rank, "begun": True}
+
+    def grid_update_load(self, source_json: str) -> dict:
+        s = self._grid_session
+        tensors = read_source(source_json, self._device())
+        s.load(tensors.items())
+        return {"rank": s.adapter.rank, "tensors": len(tensors)}
+
+    def grid_update_finish(self) -> dict:
+        r = self._grid_session.finish()
+        return dataclasses.asdict(r)
+
+    def grid_update_commit(self, accept: str = "1") -> dict:
+        s = self._grid_session
+        ad = self._grid()
+        ok = s.commit(accept in ("1", "true", "True"))
+        if ok and "skip_version" in ad.faults and ad.rank == 1:
+            ad.version = s.manifest.version - 1        # injected: this rank serves the old version number
+        return {"rank": ad.rank, "applied": ok, "version": ad.version}
+
+    def grid_update_abort(self) -> dict:
+        s = getattr(self, "_grid_session", None)
+        if s is not None and not s.finished:
+            s._rollback()
+            s.finished = True
+        return {"rank": self._grid().rank, "version": self._grid().version}
+
+    def grid_state(self) -> dict:
+        ad = self._grid()
+        s = getattr(self, "_grid_session", None)
+        return {"rank": ad.rank, "version": ad.version, "torn": bool(s.torn) if s else False,
+                "grid_layers": sum(1 for _ in ad.grid_layers()), "derived": len(ad.registry)}
+
+    def grid_fingerprints(self, names_json: str = "[]") -> dict:
+        params = dict(self._grid().model().named_parameters())
+        names = json.loads(names_json) or list(params)
+        return {n: fingerprint(params[n]) for n in names if n in params}
+
+    def grid_set_faults(self, faults_json: str) -> list:
+        if os.environ.get(FAULTS_ENV) != "1":
+            raise PermissionError(f"fault injection is for tests: set {FAULTS_ENV}=1 in the engine's environment")
+        self._grid().faults = set(json.loads(faults_json))
+        return sorted(self._grid().faults)
+
