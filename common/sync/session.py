@@ -294,15 +294,16 @@ class UpdateSession:
         return out
 
 
-def fingerprint_regions(truth: dict, regions: list) -> list[str]:
+def fingerprint_regions(truth, regions: list) -> list[str]:
     """Client side of byte identity: compare the engine's region fingerprints with the learner's own bytes.
 
-    ``truth``: {learner name: tensor} -- fp8 data and uint8 scales for on-grid weights (as the
-    learner holds them), plain tensors otherwise.
+    ``truth(name, role)`` returns the learner's tensor for a region's source: its fp8 data
+    (role "data") or uint8 scales (role "scale") for an on-grid weight, the tensor itself
+    ("plain").
     """
     problems = []
     for source, role, src_box, param, dest_box, fp in regions:
-        t = truth.get(source)
+        t = truth(source, role)
         if t is None:
             problems.append(f"{source}: the learner has no such tensor")
             continue

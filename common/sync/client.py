@@ -1,0 +1,171 @@
+"""The trainer-side client: ``update_weights`` for any engine, and the checks that need the learner.
+
+One API for both engines; an engine plugs in a *transport* (``vllm_plugin.client`` for vLLM:
+in-process ``LLM`` or a running ``vllm serve`` over HTTP).  A transport provides::
+
+    rpc(method, *str_args) -> [result per rank]      the worker extension's grid_* methods
+    stage(bucket) -> source dict; release(source)    move bytes (shm file, CUDA IPC, ...)
+    pause(); resume(); reset_prefix_cache()           generation control
+    prompt_logprobs(prompts) -> (logprobs, cached)    for the probes (optional)
+
+``update_weights`` pauses generation, validates the manifest on every rank, streams the
+buckets through the engine's own loaders, collects each rank's local checks, decides byte
+identity against the learner's own bytes, commits or rolls back on every rank, checks that
+all ranks serve the same version, flushes the prefix cache and probes it, runs the
+end-to-end logprob probe, and resumes.  The returned :class:`SyncReport` has one result per
+condition.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Iterable, Mapping, Optional
+
+import torch
+
+from ..quantize import quantize_rows
+from .manifest import Manifest
+from .report import CheckResult, SyncReport
+from .session import fingerprint_regions
+from .transport import buckets
+
+HIGH = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class LearnerTruth:
+    """The learner's own bytes for each (name, role): what byte identity compares against.
+
+    For ``bf16`` updates the on-grid bytes are TE's quantization of the BF16 weights (the same
+    function the engine ran, but computed here); ``mxfp8`` tensors are their own truth.  An
+    explicit mapping (e.g. TE's ``_rowwise_data`` / unswizzled scales) overrides both.
+    """
+
+    def __init__(self, named: Mapping[str, torch.Tensor], explicit: Optional[Mapping[str, torch.Tensor]] = None):
+        self.named, self.explicit, self._q = named, explicit or {}, {}
+
+    def get(self, name: str, role: str) -> Optional[torch.Tensor]:
+        if (name, role) in self.explicit:
+            return self.explicit[(name, role)]
+        if name in self.explicit and role != "scale":
+            return self.explicit[name]
+        t = self.named.get(name)
+        if t is None or t.dtype not in HIGH or role == "plain":
+            return t
+        if name not in self._q:
+            self._q[name] = quantize_rows(t)
+        return self._q[name][0].view(torch.float8_e4m3fn) if role == "data" else self._q[name][1]
+
+
+class GridSyncClient:
+
+    def __init__(self, transport, digest: str = "sampled", fraction: float = 0.05, backup: bool = True,
+                 bucket_bytes: int = 256 << 20, probe_prompts: Optional[list] = None,
+                 learner_logprobs: Optional[Callable[[list], list]] = None, probe_tolerance: float = 2e-3):
+        self.t = transport
+        self.digest, self.fraction, self.backup, self.bucket_bytes = digest, fraction, backup, bucket_bytes
+        self.probe_prompts, self.learner_logprobs, self.probe_tolerance = probe_prompts, learner_logprobs, \
+            probe_tolerance
+        self.version = max(int(s["version"]) for s in self.t.rpc("grid_state"))
+
+    # ----------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       format: str = "bf16", version: Optional[int] = None, kv_scales: Optional[dict] = None,
+                       partial: bool = False, truth: Optional[Mapping] = None, seed: Optional[int] = None,
+                       flush_cache: bool = True) -> SyncReport:
+        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        version = int(version if version is not None else self.version + 1)
+        manifest = Manifest.of(named, version, format, partial,
+                               {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)
+        opts = {"backup": self.backup, "digest": self.digest, "fraction": self.fraction,
+                "seed": version if seed is None else seed}
+        report = SyncReport(version=version, applied=False)
+        timings = report.timings
+        t_all = time.perf_counter()
+        if flush_cache and self.probe_prompts and hasattr(self.t, "prompt_logprobs"):
+            self.t.prompt_logprobs(self.probe_prompts[:1])           # put the probe prefix in the cache
+        self.t.pause()
+        paused = True
+        try:
+            t0 = time.perf_counter()
+            self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
+            for bucket in buckets(named.items(), self.bucket_bytes):
+                src = self.t.stage(bucket)
+                try:
+                    self.t.rpc("grid_update_load", json.dumps(src))
+                finally:
+                    self.t.release(src)
+            timings["transfer_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ranks = [SyncReport.from_dict(d) for d in self.t.rpc("grid_update_finish")]
+            timings["engine_checks_s"] = time.perf_counter() - t0
+            for r in ranks:
+                report.checks += r.checks
+                if r.error:
+                    report.error = (report.error + "; " if report.error else "") + f"rank {r.extra.get('rank')}: {r.error}"
+            regions = [reg for r in ranks for reg in r.extra.get("regions", [])]
+            t0 = time.perf_counter()
+            lt = LearnerTruth(named, truth)
+            problems = fingerprint_regions(lt.get, regions)
+            report.checks.append(CheckResult("byte_identity", not problems and bool(regions) or
+                                             (None if not regions else False),
+                                             problems or [f"{len(regions)} regions ({self.digest})"],
+                                             time.perf_counter() - t0))
+            accept = report.error is None and not report.failed()
+            commits = self.t.rpc("grid_update_commit", "1" if accept else "0")
+            report.applied = accept and all(c["applied"] for c in commits)
+            report.rolled_back = not report.applied
+            report.checks.append(self._versions(version if report.applied else self.version))
+            if report.applied:
+                self.version = version
+                if flush_cache:
+                    self.t.reset_prefix_cache()
+            self.t.resume()
+            paused = False
+            if report.applied:
+                report.checks.append(self._cache_probe())
+                report.checks.append(self._logprob_probe())
+        except Exception as exc:
+            try:
+                if paused:
+                    self.t.rpc("grid_update_abort")
+            finally:
+                report.error = f"{type(exc).__name__}: {exc}"
+                report.applied, report.rolled_back = False, self.backup
+                report.checks.append(self._versions(self.version))
+        finally:
+            if paused:
+                self.t.resume()
+        timings["total_s"] = time.perf_counter() - t_all
+        return report
+
+    # -- client-side checks ----------------------------------------------------------------
+    def _versions(self, want: int) -> CheckResult:
+        t0 = time.perf_counter()
+        states = self.t.rpc("grid_state")
+        problems = [f"rank {s['rank']} serves version {s['version']}, expected {want}" for s in states
+                    if int(s["version"]) != want]
+        problems += [f"rank {s['rank']}: torn (a failed update without backup); keep generation paused"
+                     for s in states if s.get("torn")]
+        return CheckResult("atomic_versioning", not problems, problems, time.perf_counter() - t0)
+
+    def _cache_probe(self) -> CheckResult:
+        t0 = time.perf_counter()
+        if not self.probe_prompts or not hasattr(self.t, "prompt_logprobs"):
+            return CheckResult("cache_coherence", None, ["no probe prompts"], 0.0)
+        _, cached = self.t.prompt_logprobs(self.probe_prompts[:1])
+        ok = cached[0] == 0
+        return CheckResult("cache_coherence", ok, [] if ok else
+                           [f"the first request after the update reused {cached[0]} cached prompt tokens computed "
+                            "with the old weights (prefix cache not flushed)"], time.perf_counter() - t0)
+
+    def _logprob_probe(self) -> CheckResult:
+        t0 = time.perf_counter()
+        if not (self.probe_prompts and self.learner_logprobs and hasattr(self.t, "prompt_logprobs")):
+            return CheckResult("probe", None, ["no probe prompts / learner forward given"], 0.0)
+        got, _ = self.t.prompt_logprobs(self.probe_prompts)
+        want = self.learner_logprobs(self.probe_prompts)
+        diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+        ok = diff <= self.probe_tolerance
+        return CheckResult("probe", ok, [f"max |logprob diff| vs the learner's grid forward: {diff:.2e} "
+                                         f"(tolerance {self.probe_tolerance})"], time.perf_counter() - t0)

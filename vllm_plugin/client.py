@@ -1,0 +1,126 @@
+"""Trainer-side transports for vLLM: an in-process ``LLM`` or a running ``vllm serve``.
+
+    from mxfp8_learner_grid.vllm_plugin.client import connect
+    client = connect(llm)                                      # LLM(..., worker_extension_cls=GRID_WORKER)
+    client = connect("http://127.0.0.1:8000", api_key=...)     # vllm serve ... (see vllm_plugin/http.py)
+    report = client.update_weights(model.state_dict(), format="bf16", version=7)
+    assert report.ok, report.summary()
+
+Bulk bytes travel as safetensors files in shared memory (``/dev/shm``) on the CPU, or as
+CUDA IPC handles when trainer and engine share a GPU (``staging="cuda_ipc"``, in-process
+only: IPC handles are pickles and are never accepted over HTTP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from mxfp8_learner_grid.common.sync.client import GridSyncClient
+from mxfp8_learner_grid.common.sync.transport import cuda_ipc_source, write_safetensors_bucket
+
+GRID_WORKER = "mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension"
+GRID_MIDDLEWARE = "mxfp8_learner_grid.vllm_plugin.http.GridUpdateMiddleware"
+
+
+class _Staging:
+    def __init__(self, staging: str):
+        if staging not in ("shm", "cuda_ipc"):
+            raise ValueError(f"staging must be 'shm' or 'cuda_ipc'; got {staging!r}")
+        self.staging = staging
+        self._keep = []
+
+    def stage(self, bucket):
+        if self.staging == "cuda_ipc":
+            self._keep = [t for _, t in bucket]       # the trainer's buffers must outlive the load
+            return cuda_ipc_source(bucket)
+        return write_safetensors_bucket(bucket)
+
+    def release(self, source):
+        if source.get("kind") == "safetensors":
+            try:
+                os.unlink(source["path"])
+            except FileNotFoundError:
+                pass
+        self._keep = []
+
+
+class LLMTransport(_Staging):
+    """An in-process ``vllm.LLM`` built with ``worker_extension_cls=GRID_WORKER``."""
+
+    def __init__(self, llm, staging: str = "shm"):
+        super().__init__(staging)
+        self.llm = llm
+
+    def rpc(self, method, *args):
+        return self.llm.collective_rpc(method, args=tuple(args))
+
+    def pause(self):            # an in-process LLM runs nothing while this thread updates it
+        pass
+
+    def resume(self):
+        pass
+
+    def reset_prefix_cache(self):
+        self.llm.reset_prefix_cache()
+
+    def prompt_logprobs(self, prompts):
+        from vllm import SamplingParams
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+        lps = [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
+        return lps, [int(o.num_cached_tokens or 0) for o in outs]
+
+
+class HTTPTransport(_Staging):
+    """A running ``vllm serve`` started with the grid worker extension and middleware."""
+
+    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, model: Optional[str] = None):
+        super().__init__("shm")
+        import requests
+        self.s = requests.Session()
+        self.base, self.timeout = base_url.rstrip("/"), timeout
+        if api_key:
+            self.s.headers["Authorization"] = f"Bearer {api_key}"
+        self.model = model
+
+    def _post(self, path, body=None):
+        r = self.s.post(self.base + path, json=body or {}, timeout=self.timeout)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}")
+        return r.json() if r.content else None
+
+    def rpc(self, method, *args):
+        return self._post("/grid/rpc", {"method": method, "args": list(args)})["results"]
+
+    def pause(self):
+        self._post("/grid/pause")
+
+    def resume(self):
+        self._post("/grid/resume")
+
+    def reset_prefix_cache(self):
+        self._post("/grid/reset_prefix_cache")
+
+    def prompt_logprobs(self, prompts):
+        lps, cached = [], []
+        for p in prompts:
+            r = self.s.post(self.base + "/v1/completions", timeout=self.timeout, json={
+                "model": self.model, "prompt": p, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0})
+            r.raise_for_status()
+            body = r.json()
+            lps.append(body["choices"][0]["logprobs"]["token_logprobs"][1:len(p)])
+            cached.append(int((body.get("usage") or {}).get("prompt_tokens_details", {}) and
+                              body["usage"]["prompt_tokens_details"].get("cached_tokens") or 0))
+        return lps, cached
+
+
+def connect(target, api_key: Optional[str] = None, staging: str = "shm", **client_kwargs) -> GridSyncClient:
+    """A GridSyncClient over an ``LLM`` object or a server URL."""
+    if isinstance(target, str):
+        return GridSyncClient(HTTPTransport(target, api_key, model=client_kwargs.pop("model", None)), **client_kwargs)
+    return GridSyncClient(LLMTransport(target, staging), **client_kwargs)
+
+
+_ = json

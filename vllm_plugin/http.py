@@ -1,0 +1,165 @@
+"""Weight-update routes for a running ``vllm serve``, as an ASGI middleware (vLLM's ``--middleware``).
+
+    MXFP8_GRID_UPDATES=1 vllm serve MODEL --quantization mxfp8-learner-grid \\
+        --worker-extension-cls mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension \\
+        --middleware mxfp8_learner_grid.vllm_plugin.http.GridUpdateMiddleware [--api-key KEY]
+
+Routes (off unless ``MXFP8_GRID_UPDATES=1``; with an API key set -- ``--api-key`` or
+``VLLM_API_KEY`` -- they need ``Authorization: Bearer KEY``):
+
+    POST /grid/rpc                {"method": "grid_...", "args": ["...", ...]}
+    POST /grid/pause              drain in-flight requests, hold new ones
+    POST /grid/resume
+    POST /grid/reset_prefix_cache
+    GET  /grid/version
+
+Only the worker extension's ``grid_*`` methods are callable, only with string arguments, and a
+bucket source over HTTP can only be a safetensors file inside ``MXFP8_GRID_STAGING_DIRS``
+(default ``/dev/shm``, the temp dir): no pickles cross the network.  A malformed payload gets
+a 4xx naming the problem; an update the engine rejects is rolled back before the reply.
+Every response of the server carries ``X-Weight-Version``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+ENABLE_ENV = "MXFP8_GRID_UPDATES"
+STAGING_ENV = "MXFP8_GRID_STAGING_DIRS"
+ALLOWED = {"grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit", "grid_update_abort",
+           "grid_state", "grid_fingerprints"}
+_state = {"version": 0}
+
+
+def _staging_dirs() -> list[str]:
+    dirs = os.environ.get(STAGING_ENV)
+    base = dirs.split(",") if dirs else ["/dev/shm", tempfile.gettempdir()]
+    return [os.path.realpath(d) for d in base if d]
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+class GridUpdateMiddleware:
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        if scope.get("path", "").startswith("/grid/"):
+            return await self._grid(scope, receive, send)
+
+        async def send_with_version(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", [])) + [(b"x-weight-version", str(_state["version"]).encode())]
+                message = dict(message, headers=headers)
+            await send(message)
+        return await self.app(scope, receive, send_with_version)
+
+    # -- the routes ------------------------------------------------------------------
+    async def _grid(self, scope, receive, send):
+        try:
+            if os.environ.get(ENABLE_ENV) != "1":
+                raise HTTPError(404, f"weight-update routes are off (set {ENABLE_ENV}=1)")
+            app_state = scope["app"].state
+            self._auth(scope, app_state)
+            body = await self._body(receive)
+            client = app_state.engine_client
+            path, method = scope["path"], scope.get("method", "GET")
+            if path == "/grid/version":
+                out = {"version": _state["version"]}
+            elif method != "POST":
+                raise HTTPError(405, f"{path} takes POST")
+            elif path == "/grid/pause":
+                await client.pause_generation(mode="wait", clear_cache=False)
+                out = {"paused": True}
+            elif path == "/grid/resume":
+                await client.resume_generation()
+                out = {"paused": False}
+            elif path == "/grid/reset_prefix_cache":
+                out = {"reset": bool(await client.reset_prefix_cache())}
+            elif path == "/grid/rpc":
+                out = {"results": await self._rpc(client, body)}
+            else:
+                raise HTTPError(404, f"no route {path}")
+            await self._reply(send, 200, out)
+        except HTTPError as e:
+            await self._reply(send, e.status, {"error": str(e)})
+        except Exception as e:            # the engine refused the update (validation, rollback, ...)
+            await self._reply(send, 422, {"error": f"{type(e).__name__}: {e}"})
+
+    async def _rpc(self, client, body):
+        if not isinstance(body, dict) or "method" not in body:
+            raise HTTPError(400, "body must be {\"method\": ..., \"args\": [...]}")
+        method, args = body["method"], body.get("args", [])
+        if method not in ALLOWED:
+            raise HTTPError(400, f"method {method!r} is not a grid update method; allowed: {sorted(ALLOWED)}")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise HTTPError(400, "args must be a list of strings")
+        if method == "grid_update_load":
+            self._check_source(args[0] if args else "")
+        if method in ("grid_update_begin",):
+            try:
+                json.loads(args[0])
+            except Exception as exc:
+                raise HTTPError(400, f"manifest is not JSON: {exc}") from None
+        results = await client.collective_rpc(method, args=tuple(args))
+        if method == "grid_update_commit" and results and all(r.get("applied") for r in results):
+            _state["version"] = int(results[0]["version"])
+        return results
+
+    def _check_source(self, src_json: str) -> None:
+        try:
+            src = json.loads(src_json)
+        except Exception as exc:
+            raise HTTPError(400, f"bucket source is not JSON: {exc}") from None
+        if not isinstance(src, dict) or src.get("kind") != "safetensors":
+            raise HTTPError(400, "over HTTP a bucket source must be {\"kind\": \"safetensors\", \"path\": ...}")
+        path = os.path.realpath(str(src.get("path", "")))
+        if not any(path.startswith(d + os.sep) for d in _staging_dirs()):
+            raise HTTPError(400, f"bucket path must be inside {_staging_dirs()} ({STAGING_ENV})")
+        if not os.path.isfile(path):
+            raise HTTPError(400, f"bucket file {path} does not exist (truncated transfer?)")
+
+    def _auth(self, scope, app_state) -> None:
+        keys = set()
+        env = os.environ.get("VLLM_API_KEY")
+        if env:
+            keys.add(env)
+        args = getattr(app_state, "args", None)
+        for k in (getattr(args, "api_key", None) or []) if args is not None else []:
+            keys.update([k] if isinstance(k, str) else list(k))
+        if not keys:
+            return
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode()
+        if auth not in {f"Bearer {k}" for k in keys}:
+            raise HTTPError(401, "weight updates need the server's API key")
+
+    async def _body(self, receive):
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        raw = b"".join(chunks)
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise HTTPError(400, f"body is not JSON: {exc}") from None
+
+    async def _reply(self, send, status: int, obj) -> None:
+        body = json.dumps(obj, default=str).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"x-weight-version", str(_state["version"]).encode())]})
+        await send({"type": "http.response.body", "body": body})
