@@ -65,6 +65,13 @@ class LLMTransport(_Staging):
     def reset_prefix_cache(self):
         self.llm.reset_prefix_cache()
 
+    def cached_tokens(self, prompt) -> int:
+        """Prompt tokens a plain request (no prompt logprobs: those bypass the cache) got from the prefix cache."""
+        from vllm import SamplingParams
+        out = self.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0),
+                                use_tqdm=False)[0]
+        return int(out.num_cached_tokens or 0)
+
     def prompt_logprobs(self, prompts):
         from vllm import SamplingParams
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -102,6 +109,13 @@ class HTTPTransport(_Staging):
 
     def reset_prefix_cache(self):
         self._post("/grid/reset_prefix_cache")
+
+    def cached_tokens(self, prompt) -> int:
+        r = self.s.post(self.base + "/v1/completions", timeout=self.timeout, json={
+            "model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        details = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
 
     def prompt_logprobs(self, prompts):
         lps, cached = [], []

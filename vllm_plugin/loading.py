@@ -24,6 +24,7 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.sync.recorder import note_derived_source
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
@@ -75,6 +76,8 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
                 raise WireFormatError(f"{name}: checkpoint shape {tuple(loaded_weight.shape)} is not on the "
                                       f"MXFP8 grid (in_features must be a multiple of {F.BLOCK_SIZE})")
             q, s = quantize_rows(loaded_weight)
+            note_derived_source(q, loaded_weight, "data")
+            note_derived_source(s, loaded_weight, "scale")
             out = _call(base_loader, name, param, q, *args, **kwargs)
             sname = f"{prefix}.{scale_param}"
             if named_loader:

@@ -79,10 +79,8 @@ class GridWorkerExtension:
 
     def grid_update_abort(self) -> dict:
         s = getattr(self, "_grid_session", None)
-        if s is not None and not s.finished:
-            s._rollback()
-            s.finished = True
-        return {"rank": self._grid().rank, "version": self._grid().version}
+        check = dataclasses.asdict(s.abort()) if s is not None else None
+        return {"rank": self._grid().rank, "version": self._grid().version, "check": check}
 
     def grid_state(self) -> dict:
         ad = self._grid()

@@ -61,11 +61,13 @@ class GridSyncClient:
 
     def __init__(self, transport, digest: str = "sampled", fraction: float = 0.05, backup: bool = True,
                  bucket_bytes: int = 256 << 20, probe_prompts: Optional[list] = None,
-                 learner_logprobs: Optional[Callable[[list], list]] = None, probe_tolerance: float = 2e-3):
+                 learner_logprobs: Optional[Callable[[list], list]] = None, probe_tolerance: float = 2e-3,
+                 cache_probe_prompt: Optional[list] = None):
         self.t = transport
         self.digest, self.fraction, self.backup, self.bucket_bytes = digest, fraction, backup, bucket_bytes
         self.probe_prompts, self.learner_logprobs, self.probe_tolerance = probe_prompts, learner_logprobs, \
             probe_tolerance
+        self.cache_probe_prompt = cache_probe_prompt
         self.version = max(int(s["version"]) for s in self.t.rpc("grid_state"))
 
     # ----------------------------------------------------------------------------------
@@ -82,8 +84,8 @@ class GridSyncClient:
         report = SyncReport(version=version, applied=False)
         timings = report.timings
         t_all = time.perf_counter()
-        if flush_cache and self.probe_prompts and hasattr(self.t, "prompt_logprobs"):
-            self.t.prompt_logprobs(self.probe_prompts[:1])           # put the probe prefix in the cache
+        if flush_cache and self.cache_probe_prompt and hasattr(self.t, "cached_tokens"):
+            self.t.cached_tokens(self.cache_probe_prompt)             # put the probe prefix in the cache
         self.t.pause()
         paused = True
         try:
@@ -128,10 +130,13 @@ class GridSyncClient:
         except Exception as exc:
             try:
                 if paused:
-                    self.t.rpc("grid_update_abort")
+                    for r in self.t.rpc("grid_update_abort"):
+                        if r.get("check"):
+                            report.checks.append(CheckResult(**r["check"]))
             finally:
                 report.error = f"{type(exc).__name__}: {exc}"
                 report.applied, report.rolled_back = False, self.backup
+                report.checks += _classify_rejection(str(exc))
                 report.checks.append(self._versions(self.version))
         finally:
             if paused:
@@ -151,13 +156,14 @@ class GridSyncClient:
 
     def _cache_probe(self) -> CheckResult:
         t0 = time.perf_counter()
-        if not self.probe_prompts or not hasattr(self.t, "prompt_logprobs"):
-            return CheckResult("cache_coherence", None, ["no probe prompts"], 0.0)
-        _, cached = self.t.prompt_logprobs(self.probe_prompts[:1])
-        ok = cached[0] == 0
-        return CheckResult("cache_coherence", ok, [] if ok else
-                           [f"the first request after the update reused {cached[0]} cached prompt tokens computed "
-                            "with the old weights (prefix cache not flushed)"], time.perf_counter() - t0)
+        if not self.cache_probe_prompt or not hasattr(self.t, "cached_tokens"):
+            return CheckResult("cache_coherence", None, ["no cache probe prompt (longer than a KV block)"], 0.0)
+        cached = self.t.cached_tokens(self.cache_probe_prompt)
+        ok = cached == 0
+        return CheckResult("cache_coherence", ok, ["no prompt token of the probe came from the prefix cache"]
+                           if ok else [f"the first request after the update reused {cached} cached prompt tokens "
+                                       "computed with the old weights (prefix cache not flushed)"],
+                           time.perf_counter() - t0)
 
     def _logprob_probe(self) -> CheckResult:
         t0 = time.perf_counter()
@@ -169,3 +175,18 @@ class GridSyncClient:
         ok = diff <= self.probe_tolerance
         return CheckResult("probe", ok, [f"max |logprob diff| vs the learner's grid forward: {diff:.2e} "
                                          f"(tolerance {self.probe_tolerance})"], time.perf_counter() - t0)
+
+
+def _classify_rejection(msg: str) -> list[CheckResult]:
+    """Turn an engine's pre-write rejection into the named condition it protects."""
+    if "rejected before any write" not in msg:
+        return []
+    body = msg.split("rejected before any write:", 1)[1]
+    out = []
+    layout = [p.strip() for p in body.split(";") if any(k in p for k in ("expected uint8", "padding", "shape", "dtype"))]
+    complete = [p.strip() for p in body.split(";") if any(k in p for k in ("unknown", "missing", "misses", "twice"))]
+    if layout:
+        out.append(CheckResult("layout", False, layout))
+    if complete:
+        out.append(CheckResult("completeness", False, complete))
+    return out

@@ -30,6 +30,18 @@ class UpdateRejected(ValueError):
     """An update that failed validation; the message names the tensor."""
 
 
+_ACTIVE: list = []
+
+
+def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) -> None:
+    """Loaders call this when they turn a received tensor into the bytes they write (e.g. the
+    fp8 data / scales quantized from a BF16 weight): writes of ``derived`` are attributed to
+    ``origin``'s learner name.  A no-op when no update is being recorded."""
+    for rec in _ACTIVE:
+        src = rec.source_of(origin)
+        if src is not None:
+            rec.add_source(derived, src.name, role)
+
 @dataclass
 class Write:
     source: str               # learner tensor name (HF name)
@@ -53,11 +65,12 @@ def _nan_codes(t: torch.Tensor) -> bool:
 
 
 @dataclass
-class WriteRecorder(TorchDispatchMode):
+class WriteRecorder(TorchDispatchMode):  # noqa: D101
     params: dict                                  # name -> tensor (parameters the update may write)
     backup: bool = True
     writes: list = field(default_factory=list)
     backups: dict = field(default_factory=dict)   # param name -> host copy of its previous bytes
+    backup_fps: dict = field(default_factory=dict)  # param name -> fingerprint of those bytes
     _by_storage: dict = field(default_factory=dict)
     _sources: dict = field(default_factory=dict)
 
@@ -85,6 +98,14 @@ class WriteRecorder(TorchDispatchMode):
             return None
         return cands[0] if cands else None
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default:
@@ -109,6 +130,8 @@ class WriteRecorder(TorchDispatchMode):
                 raise UpdateRejected(f"{sname}: holds NaN or Inf")
         if self.backup and pname not in self.backups:
             self.backups[pname] = param.detach().to("cpu", copy=True)
+            from .digest import fingerprint
+            self.backup_fps[pname] = fingerprint(self.backups[pname])
         dbox = view_box(dest, param.shape, param.storage_offset())
         sbox = view_box(src, s.base_shape, s.base_offset) if (s is not None and isinstance(src, torch.Tensor)) \
             else None

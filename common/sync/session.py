@@ -106,6 +106,7 @@ class UpdateSession:
         self.recorder = WriteRecorder(self.params, backup=backup)
         self.torn = False
         self.dead = False
+        self.rollback_problems: list[str] = []
         self.finished = False
         adapter.begin()
         self.timings = {"begin_s": _now() - t0, "load_s": 0.0}
@@ -145,15 +146,16 @@ class UpdateSession:
             self.torn = True
 
     def _rollback(self) -> list[str]:
+        """Previous bytes back into the original storage, derived state rebuilt from them, original
+        parameter objects back in their modules; then verify the bytes are the old ones."""
         restored = self.recorder.rollback()
-        # a parameter a faulty step rebound: put the original object back in its module
-        model = self.adapter.model()
-        for name, obj in self.objs.items():
-            mod_name, _, attr = name.rpartition(".")
-            mod = model.get_submodule(mod_name) if mod_name else model
-            if getattr(mod, attr, None) is not obj:
-                setattr(mod, attr, obj)
-        self.adapter.after_load()
+        self._restore_objects()
+        try:
+            self.adapter.after_load()
+        finally:
+            self._restore_objects()       # in case the post-processing step is what rebinds
+        bad = [n for n in restored if fingerprint(self.objs[n]) != self.recorder.backup_fps.get(n)]
+        self.rollback_problems = bad
         return restored
 
     # -- finish: local checks ------------------------------------------------------------
@@ -171,6 +173,7 @@ class UpdateSession:
             self._fail(exc)
             report.error = f"{type(exc).__name__}: {exc}"
             report.rolled_back = self.backup
+            report.checks.append(self._rollback_check())
             self.finished = True
             return report
         report.checks += [self._completeness(), self._layout(), self._derived(), self._storage(),
@@ -182,6 +185,7 @@ class UpdateSession:
             if self.backup:
                 self._rollback()
                 report.rolled_back = True
+                report.checks.append(self._rollback_check())
             else:
                 self.torn = True
         self.finished = True
@@ -197,6 +201,32 @@ class UpdateSession:
         if self.backup and getattr(self, "local_ok", False):
             self._rollback()
         return False
+
+    def _restore_objects(self) -> None:
+        model = self.adapter.model()
+        for name, obj in self.objs.items():
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            if getattr(mod, attr, None) is not obj:
+                setattr(mod, attr, obj)
+
+    def abort(self) -> CheckResult:
+        """Roll back now (the client gave up on this update); report the verified result."""
+        if not self.dead and not self.finished:
+            self._fail(RuntimeError("aborted by the client"))
+        self.finished = True
+        return self._rollback_check()
+
+    def _rollback_check(self) -> CheckResult:
+        """Atomicity of a failed update: every touched parameter holds its previous bytes again."""
+        if not self.backup:
+            return CheckResult("atomic_versioning", False, ["failed without backup: this rank is torn"],
+                               rank=self.adapter.rank)
+        bad = self.rollback_problems
+        return CheckResult("atomic_versioning", not bad,
+                           [f"{n}: not restored" for n in bad] or
+                           [f"rolled back: {len(self.recorder.backups)} parameters hold their previous bytes "
+                            "(fingerprints verified)"], rank=self.adapter.rank)
 
     # -- the checks ----------------------------------------------------------------------
     def _completeness(self) -> CheckResult:

@@ -1,0 +1,100 @@
+"""In-place weight updates against a live vLLM engine on CPU: clean updates, and one injected
+failure per sync condition, each caught by its check (tests/engine/sync_scenarios.py).
+
+Every scenario runs in one engine per model (dense TP=1, MoE TP=1, MoE TP=2): a clean update
+must pass every check (no false alarms) and make the engine compute the new learner's grid
+forward exactly (float32: < 2e-3 nats); an injected failure must be named by its check, and --
+unless the failure is one the update cannot undo by itself -- leave the previous weights
+serving, whole (same fingerprints, same logprobs).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+
+HERE = os.path.dirname(__file__)
+TOL = 2e-3
+
+# fault -> the check that must catch it (the README counts these)
+FAULTS = {
+    "skip_rebuild": "derived_state",           # stale derived copy (CPU dequantized-weight cache not rebuilt)
+    "swap_kv": "layout",                       # wrong fused-shard offset (k written where v goes)
+    "padding_not_stripped": "layout",          # TE's padded scale buffer sent as is
+    "duplicate_shard": "completeness",         # v written into the k shard: element counts look complete
+    "skip_expert": "completeness",             # a missed expert
+    "swizzled_as_compact": "byte_identity",    # GEMM-swizzled scales labelled compact (same shape)
+    "realloc": "storage_stability",            # a parameter rebound to new storage after loading
+    "crash_midway": "atomic_versioning",       # the transport dies halfway through the update
+    "skip_version": "atomic_versioning",       # version mix: one TP rank serves another version
+    "skipped_cache_flush": "cache_coherence",  # prefix cache kept across the update
+    "skip_kv": "cache_coherence",              # stale FP8 KV-cache scales
+}
+
+
+def run(spec, tp=1):
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "sync_scenarios.py"), json.dumps(spec)],
+                       capture_output=True, text=True, timeout=1500, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def assert_clean(res, target):
+    assert res["applied"] and not res["failed"] and res["error"] is None, res["summary"]
+    assert all(ok is not False for ok in res["checks"].values()), res["summary"]
+    assert res["serving"] == target and res[f"vs_{target}"] < TOL, res
+
+
+def assert_caught(res, fault, previous):
+    check = FAULTS[fault]
+    if fault == "crash_midway":
+        assert res["error"] and "halfway" in res["error"], res
+        assert res["checks"].get(check) is True     # rollback verified: previous bytes everywhere
+    else:
+        assert check in res["failed"], (fault, res["summary"])
+    if fault not in ("skipped_cache_flush", "skip_version"):      # these cannot be undone by a rollback
+        assert not res["applied"] and res["rolled_back"] and res["weights_unchanged"], res["summary"]
+        assert res["serving"] == previous and res[f"vs_{previous}"] < TOL, res
+
+
+def test_dense_updates_and_faults(tmp_path):
+    order = ["clean_bf16", "clean_mxfp8", "skip_rebuild", "swap_kv", "duplicate_shard", "realloc",
+             "crash_midway", "padding_not_stripped", "swizzled_as_compact", "skip_kv", "skipped_cache_flush",
+             "clean_bf16_back"]
+    res = run({"kind": "dense", "tp": 1, "root": str(tmp_path), "scenarios": order})
+    assert_clean(res["clean_bf16"], "B")             # BF16 weights, quantized in the engine (TE-exact)
+    assert_clean(res["clean_mxfp8"], "A")            # the learner's fp8 bytes + scales, copied as is
+    for f in order[2:10]:
+        assert_caught(res[f], f, "A")
+    assert res["skipped_cache_flush"]["applied"] and "cache_coherence" in res["skipped_cache_flush"]["failed"]
+    assert_clean(res["clean_bf16_back"], "A")
+
+
+def test_moe_updates_and_missed_expert(tmp_path):
+    res = run({"kind": "moe", "tp": 1, "root": str(tmp_path), "scenarios": ["clean_bf16", "clean_mxfp8",
+                                                                           "skip_expert"]})
+    assert_clean(res["clean_bf16"], "B")
+    assert_clean(res["clean_mxfp8"], "A")
+    assert_caught(res["skip_expert"], "skip_expert", "A")
+
+
+def test_tensor_parallel_updates_and_version_mix(tmp_path):
+    res = run({"kind": "moe", "tp": 2, "root": str(tmp_path), "scenarios": ["clean_bf16", "skip_version",
+                                                                           "clean_mxfp8"]}, tp=2)
+    assert_clean(res["clean_bf16"], "B")
+    assert_caught(res["skip_version"], "skip_version", "B")
+    assert_clean(res["clean_mxfp8"], "A")
+
+
+def test_every_condition_has_an_injected_failure():
+    from mxfp8_learner_grid.common.sync.report import CONDITIONS
+    assert set(FAULTS.values()) == set(CONDITIONS) and len(FAULTS) == 11
