@@ -1,0 +1,114 @@
+"""Weight updates over HTTP to a running `vllm serve` (worker extension + middleware), with bad payloads."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sync_scenarios import learner_fn, load_dir  # noqa: E402
+
+KEY = "grid-secret"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from mxfp8_learner_grid.common.tiny_model import save_model
+    from mxfp8_learner_grid.vllm_plugin.client import GRID_MIDDLEWARE, GRID_WORKER
+    root = tmp_path_factory.mktemp("http")
+    a, b = str(save_model(root / "A", seed=0)), str(save_model(root / "B", seed=1))
+    port = free_port()
+    env = dict(os.environ, MXFP8_GRID_UPDATES="1", VLLM_LOGGING_LEVEL="WARNING")
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mxfp8_learner_grid.vllm_plugin.serve", a, "--quantization",
+                             "mxfp8-learner-grid", "--dtype", "float32", "--max-model-len", "256",
+                             "--gpu-memory-utilization", "0.1", "--enforce-eager", "--host", "127.0.0.1", "--port",
+                             str(port), "--served-model-name", "tiny", "--api-key", KEY, "--enable-prefix-caching",
+                             "--worker-extension-cls", GRID_WORKER, "--middleware", GRID_MIDDLEWARE],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while time.time() - t0 < 600:
+        assert proc.poll() is None, (root / "server.log").read_text()[-5000:]
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    yield {"url": url, "A": a, "B": b}
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+PROMPTS = [[5, 17, 100, 3, 250, 9, 44, 12, 300, 7, 61, 2], [200, 201, 202, 19, 8, 77, 140, 33, 90, 11]]
+
+
+def test_update_over_http(server):
+    from mxfp8_learner_grid.vllm_plugin.client import connect
+    learner_b = learner_fn(server["B"])
+    long = torch.randint(1, 380, (240,), generator=torch.Generator().manual_seed(0)).tolist()
+    client = connect(server["url"], api_key=KEY, model="tiny", probe_prompts=PROMPTS, learner_logprobs=learner_b,
+                     cache_probe_prompt=long, digest="sampled", fraction=0.25, bucket_bytes=1 << 16)
+    rep = client.update_weights(load_dir(server["B"]), format="bf16", version=1, kv_scales={0: (0.1, 0.2)})
+    assert rep.ok, rep.summary()
+    assert {c.name for c in rep.checks} >= {"completeness", "byte_identity", "layout", "derived_state",
+                                           "storage_stability", "atomic_versioning", "cache_coherence", "probe"}
+    r = requests.post(server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1, "echo": True, "logprobs": 0})
+    assert r.headers["x-weight-version"] == "1"
+    got = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(PROMPTS[0])]
+    want = learner_b([PROMPTS[0]])[0]
+    assert max(abs(x - y) for x, y in zip(got, want)) < 2e-3
+
+    # a malformed update (NaN in a norm weight) is refused and changes nothing
+    bad = load_dir(server["A"])
+    bad["model.norm.weight"][3] = float("nan")
+    rep2 = client.update_weights(bad, format="bf16", version=2)
+    assert not rep2.applied and "NaN" in (rep2.error or ""), rep2.summary()
+    assert client.t.prompt_logprobs(PROMPTS)[0] == client.t.prompt_logprobs(PROMPTS)[0]
+    assert max(abs(x - y) for x, y in zip(client.t.prompt_logprobs([PROMPTS[0]])[0][0], want)) < 2e-3
+    assert requests.get(server["url"] + "/grid/version", headers={"Authorization": f"Bearer {KEY}"}).json() == \
+        {"version": 1}
+
+
+@pytest.mark.parametrize("path,body,headers,status,needle", [
+    ("/grid/rpc", {"method": "grid_state", "args": []}, {}, 401, "API key"),
+    ("/grid/rpc", {"method": "collective_rpc", "args": []}, None, 400, "not a grid update method"),
+    ("/grid/rpc", {"method": "grid_state", "args": [1]}, None, 400, "list of strings"),
+    ("/grid/rpc", {"method": "grid_update_load", "args": ['{"kind": "cuda_ipc", "tensors": {}}']}, None, 400,
+     "a bucket source must be"),
+    ("/grid/rpc", {"method": "grid_update_load", "args": ['{"kind": "safetensors", "path": "/etc/passwd"}']}, None,
+     400, "bucket path must be inside"),
+    ("/grid/rpc", {"method": "grid_update_begin", "args": ["{not json"]}, None, 400, "manifest is not JSON"),
+    ("/grid/nope", {}, None, 404, "no route"),
+])
+def test_bad_requests_get_4xx(server, path, body, headers, status, needle):
+    h = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    r = requests.post(server["url"] + path, json=body, headers=h, timeout=60)
+    assert r.status_code == status and needle in r.text, (r.status_code, r.text)
+
+
+def test_unknown_tensor_is_rejected_before_any_write(server):
+    from mxfp8_learner_grid.common.sync.manifest import Manifest
+    m = Manifest.of({"model.layers.0.mlp.bogus.weight": torch.zeros(2, 2)}, 9, "bf16", partial=True)
+    r = requests.post(server["url"] + "/grid/rpc", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"method": "grid_update_begin", "args": [m.to_json(), "{}"]}, timeout=60)
+    assert r.status_code == 422 and "unknown tensor" in r.text, r.text
