@@ -42,10 +42,14 @@ def view_box(view: torch.Tensor, base_shape: Sequence[int], base_offset: int = 0
     # match view dims to base dims through strides (selected dims are absent from the view)
     lengths = [1] * len(base_shape)
     vdims = [(st, n) for st, n in zip(view.stride(), view.shape) if n != 1]
+    last = -1
     for st, n in vdims:
         if st not in strides:
             return None
         d = strides.index(st)
+        if d <= last:                     # transposed / permuted: not the base's element order
+            return None
+        last = d
         lengths[d] = n
     box = tuple((int(a), int(b)) for a, b in zip(starts, lengths))
     if any(a + b > s for (a, b), s in zip(box, base_shape)):

@@ -1,0 +1,145 @@
+"""The engine-agnostic sync pieces (common/sync): fingerprints, boxes, manifest validation,
+the write recorder and a full session on a plain PyTorch model (no engine)."""
+
+import asyncio
+
+
+import pytest
+import torch
+
+from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.selection import ModuleSelection
+from mxfp8_learner_grid.common.sync.digest import fingerprint, region_fingerprint
+from mxfp8_learner_grid.common.sync.manifest import Manifest, validate
+from mxfp8_learner_grid.common.sync.recorder import UpdateRejected, WriteRecorder
+from mxfp8_learner_grid.common.sync.regions import coverage_problems, slice_box, view_box
+from mxfp8_learner_grid.common.sync.session import EngineAdapter, UpdateSession, fingerprint_regions
+
+
+def test_fingerprint_properties():
+    a = torch.randint(0, 256, (100, 96), dtype=torch.uint8)
+    f = fingerprint(a)
+    b = a.clone()
+    b[7, 3] ^= 0x10
+    assert fingerprint(b) != f                                      # one byte
+    c = a.clone()
+    c[[4, 5]] = a[[5, 4]]
+    assert fingerprint(c) != f                                      # swapped rows
+    assert fingerprint(a.view(torch.float8_e4m3fn)) == f            # bytes, not dtype
+    assert fingerprint(a[:, :32]) == fingerprint(a[:, :32].contiguous())
+    assert fingerprint(a[:-1]) != f                                 # length
+    assert region_fingerprint(a, "sampled", 0.1, 3) == region_fingerprint(a.clone(), "sampled", 0.1, 3)
+    with pytest.raises(ValueError):
+        region_fingerprint(a, "bogus")
+
+
+def test_view_boxes_and_coverage():
+    p = torch.zeros(4, 6, 8)
+    v = p[2].narrow(0, 1, 3).narrow(1, 4, 4)
+    box = view_box(v, p.shape)
+    assert box == ((2, 1), (1, 3), (4, 4))
+    assert torch.equal(slice_box(p, box).reshape(3, 4), v)
+    assert view_box(p.transpose(0, 1), p.shape) is None
+    full = [((0, 4), (0, 6), (0, 8))]
+    assert coverage_problems(full, p.shape) == []
+    halves = [((0, 2), (0, 6), (0, 8)), ((2, 2), (0, 6), (0, 8))]
+    assert coverage_problems(halves, p.shape) == []
+    assert "written twice" in coverage_problems(halves + [((1, 1), (0, 6), (0, 8))], p.shape)[0]
+    assert "never written" in coverage_problems(halves[:1], p.shape)[0]
+
+
+def test_manifest_validation_names_every_problem():
+    sig = {"a.weight": ((64, 96), True), "norm.weight": ((96,), False)}
+    dt = {"norm.weight": torch.float32}
+    q, s = quantize_rows(torch.randn(64, 96))
+    ok = Manifest.of({"a.weight": q, "a.weight_scale_inv": s, "norm.weight": torch.ones(96)}, 1, "mxfp8")
+    assert validate(ok, sig, dt) == []
+    assert validate(Manifest.of({"a.weight": torch.randn(64, 96), "norm.weight": torch.ones(96)}, 1, "bf16"),
+                    sig, dt) == []
+    bad = Manifest.of({"a.weight": q, "a.weight_scale_inv": torch.zeros(128, 4, dtype=torch.uint8),
+                       "norm.weight": torch.ones(96, dtype=torch.bfloat16), "x.weight": torch.ones(1)}, 1, "mxfp8")
+    probs = " | ".join(validate(bad, sig, dt))
+    assert "TE padding not stripped" in probs and "x.weight: unknown tensor" in probs
+    assert "norm.weight: dtype torch.bfloat16; the engine holds it as torch.float32" in probs
+    missing = Manifest.of({"a.weight": q}, 1, "mxfp8")
+    probs = " | ".join(validate(missing, sig, dt))
+    assert "a.weight_scale_inv: missing" in probs and "full update misses 1 tensors" in probs
+    assert validate(Manifest.of({"a.weight": q, "a.weight_scale_inv": s}, 1, "mxfp8", partial=True), sig, dt) == []
+    m2 = Manifest.from_json(ok.to_json())
+    assert m2.tensors[0].name == "a.weight" and m2.format == "mxfp8"
+
+
+class TinyAdapter(EngineAdapter):
+    """A plain PyTorch 'engine': params written by name, the layout is the identity."""
+
+    def __init__(self):
+        self.m = torch.nn.Linear(96, 64, bias=False)
+        self.m.weight.data.zero_()
+
+    def model(self):
+        return self.m
+
+    def load(self, named):
+        for n, t in named:
+            if n == "weight":
+                self.m.weight.data.copy_(t)
+
+    def signature(self):
+        return {"weight": ((64, 96), False)}, {"weight": torch.float32}, set()
+
+    def scope(self, touched):
+        return dict(self.m.named_parameters())
+
+
+def test_session_on_a_plain_model():
+    ad = TinyAdapter()
+    w = torch.randn(64, 96)
+    s = UpdateSession(ad, Manifest.of({"weight": w}, 3, "bf16"), digest="full")
+    s.load([("weight", w)])
+    rep = s.finish()
+    assert not rep.failed(), rep.summary()
+    assert fingerprint_regions(lambda n, r: w, rep.extra["regions"]) == []
+    assert fingerprint_regions(lambda n, r: w + 1, rep.extra["regions"])           # different bytes are seen
+    assert s.commit(True) and ad.version == 3 and torch.equal(ad.m.weight.data, w)
+    # a NaN update is refused mid-load and rolled back to the previous bytes
+    s2 = UpdateSession(ad, Manifest.of({"weight": w}, 4, "bf16"))
+    bad = w.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(UpdateRejected, match="weight: holds NaN"):
+        s2.load([("weight", bad)])
+    assert torch.equal(ad.m.weight.data, w) and ad.version == 3
+    with pytest.raises(UpdateRejected, match="already failed"):
+        s2.load([("weight", w)])
+
+
+def test_recorder_refuses_silent_casts():
+    p = torch.zeros(4, 32)
+    rec = WriteRecorder({"p": p})
+    src = torch.ones(4, 32, dtype=torch.float64)
+    rec.add_source(src, "p.src", "plain")
+    with rec, pytest.raises(UpdateRejected, match="would be cast"):
+        p.copy_(src)
+
+
+def test_middleware_is_off_by_default(monkeypatch):
+    from mxfp8_learner_grid.vllm_plugin import http  # noqa: F401 (imports vllm only for its package)
+    monkeypatch.delenv("MXFP8_GRID_UPDATES", raising=False)
+    sent = []
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def receive():
+        return {"body": b"{}", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+    mw = http.GridUpdateMiddleware(inner)
+    asyncio.run(mw({"type": "http", "path": "/grid/rpc", "method": "POST", "app": None}, receive, send))
+    assert sent[0]["status"] == 404 and b"off" in sent[1]["body"]
+    sent.clear()
+    asyncio.run(mw({"type": "http", "path": "/v1/models", "method": "GET"}, receive, send))
+    assert (b"x-weight-version", b"0") in sent[0]["headers"]
+
+
+
