@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from mxfp8_learner_grid.common import quantize_rows
-from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.digest import fingerprint, region_fingerprint
 from mxfp8_learner_grid.common.sync.manifest import Manifest, validate
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected, WriteRecorder

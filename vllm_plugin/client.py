@@ -13,7 +13,6 @@ only: IPC handles are pickles and are never accepted over HTTP).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -136,5 +135,3 @@ def connect(target, api_key: Optional[str] = None, staging: str = "shm", **clien
         return GridSyncClient(HTTPTransport(target, api_key, model=client_kwargs.pop("model", None)), **client_kwargs)
     return GridSyncClient(LLMTransport(target, staging), **client_kwargs)
 
-
-_ = json

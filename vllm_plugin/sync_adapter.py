@@ -186,7 +186,7 @@ class VLLMAdapter(EngineAdapter):
         if local < 0:
             return None
         cfg = layer.moe_config
-        tp_rank, tp_size = getattr(cfg, "tp_rank", 0), getattr(cfg, "tp_size", 1)
+        tp_rank = getattr(cfg, "tp_rank", 0)
         if proj == "down_proj":
             _, h, i = layer.w2_weight.shape
             ik = i // div

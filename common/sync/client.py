@@ -109,9 +109,9 @@ class GridSyncClient:
             t0 = time.perf_counter()
             lt = LearnerTruth(named, truth)
             problems = fingerprint_regions(lt.get, regions)
-            report.checks.append(CheckResult("byte_identity", not problems and bool(regions) or
-                                             (None if not regions else False),
-                                             problems or [f"{len(regions)} regions ({self.digest})"],
+            identity_ok = (not problems) if regions else None
+            report.checks.append(CheckResult("byte_identity", identity_ok,
+                                             problems or [f"{len(regions)} regions compared ({self.digest})"],
                                              time.perf_counter() - t0))
             accept = report.error is None and not report.failed()
             commits = self.t.rpc("grid_update_commit", "1" if accept else "0")

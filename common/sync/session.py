@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
