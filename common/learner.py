@@ -168,6 +168,44 @@ def _wire_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), s.contiguous()
 
 
+def _hf_grid_weights(model: nn.Module):
+    """(HF checkpoint name, high-precision weight) of every on-grid weight; fused experts split per expert."""
+    for name, mod in grid_modules(model):
+        if isinstance(mod, GridLinear):
+            yield name + WEIGHT_SUFFIX, mod.weight
+        else:
+            inter = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.num_experts):
+                yield f"{name}.{e}.gate_proj{WEIGHT_SUFFIX}", mod.gate_up_proj[e, :inter]
+                yield f"{name}.{e}.up_proj{WEIGHT_SUFFIX}", mod.gate_up_proj[e, inter:]
+                yield f"{name}.{e}.down_proj{WEIGHT_SUFFIX}", mod.down_proj[e]
+
+
+def _plain_tensors(model: nn.Module, skip: set[int]):
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(named.get(key, t)) in skip:
+            continue
+        yield key, t.detach()
+
+
+def _grid_param_ids(model: nn.Module) -> set[int]:
+    ids = set()
+    for _, mod in grid_modules(model):
+        ids.update(id(p) for p in ((mod.weight,) if isinstance(mod, GridLinear) else (mod.gate_up_proj, mod.down_proj)))
+    return ids
+
+
+def export_hf_state_dict(model: nn.Module, plain_dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face checkpoint names, in high precision (fused experts
+    split per expert) -- what ``update_weights(..., format="bf16")`` sends.  ``plain_dtype``
+    casts the off-grid tensors (norms, embeddings, lm_head) to the sampler's dtype."""
+    out = {n: w.detach() for n, w in _hf_grid_weights(model)}
+    for key, t in _plain_tensors(model, _grid_param_ids(model)):
+        out[key] = t.to(plain_dtype) if plain_dtype is not None and t.is_floating_point() else t
+    return out
+
+
 def export_wire(model: nn.Module, include_plain: bool = True) -> dict[str, torch.Tensor]:
     """The model's weights in the wire format, under Hugging Face checkpoint names.
 
@@ -178,27 +216,11 @@ def export_wire(model: nn.Module, include_plain: bool = True) -> dict[str, torch
     every other parameter and buffer of the state dict is included in its own dtype.
     """
     out: dict[str, torch.Tensor] = {}
-    grid_params: set[int] = set()
-    for name, mod in grid_modules(model):
-        if isinstance(mod, GridLinear):
-            q, s = _wire_pair(mod.weight)
-            out[name + WEIGHT_SUFFIX], out[name + SCALE_SUFFIX] = q, s
-            grid_params.add(id(mod.weight))
-        else:
-            inter = mod.gate_up_proj.shape[1] // 2
-            for e in range(mod.num_experts):
-                for proj, w in (("gate_proj", mod.gate_up_proj[e, :inter]), ("up_proj", mod.gate_up_proj[e, inter:]),
-                                ("down_proj", mod.down_proj[e])):
-                    q, s = _wire_pair(w)
-                    out[f"{name}.{e}.{proj}{WEIGHT_SUFFIX}"], out[f"{name}.{e}.{proj}{SCALE_SUFFIX}"] = q, s
-            grid_params.update((id(mod.gate_up_proj), id(mod.down_proj)))
+    for name, w in _hf_grid_weights(model):
+        out[name], out[name[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX] = _wire_pair(w)
     if include_plain:
-        named = dict(model.named_parameters(remove_duplicate=False))
-        for key, t in model.state_dict(keep_vars=True).items():
-            p = named.get(key, t)
-            if id(p) in grid_params or key in out:
-                continue
-            out[key] = t.detach()
+        for key, t in _plain_tensors(model, _grid_param_ids(model)):
+            out.setdefault(key, t)
     return out
 
 
