@@ -86,38 +86,41 @@ def main() -> int:
             tensors = export_hf_state_dict(learner, plain_dtype=sampler_dtype)
         return client.update_weights(tensors, format=args.format, version=step)
 
-    rep = sync(0)
-    assert rep.ok, rep.summary()
-    g = torch.Generator().manual_seed(0)
-    vocab = learner.config.vocab_size
-    prompts = [torch.randint(1, vocab, (8,), generator=g).tolist() for _ in range(args.prompts)]
-    for step in range(1, args.steps + 1):
-        t0 = time.time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=step,
-                                           ignore_eos=True), use_tqdm=False)
-        comps = [list(o.outputs[0].token_ids) for o in outs]
-        rollout = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, c)] for o, c in zip(outs, comps)]
-        train = learner_logprobs(learner, prompts, comps)
-        metrics = mismatch_metrics(rollout, [t.detach().tolist() for t in train])
-        reward = torch.tensor([sum(1 for x in c if x % 2 == 0) / len(c) for c in comps])
-        adv = reward - reward.mean()
-        loss = -(adv * torch.stack([t.sum() for t in train])).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rep = sync(step)
-        rec = {"step": step, "reward": reward.mean().item(), "loss": loss.item(), **metrics,
-               "sync_ok": rep.ok, "sync_failed": rep.failed(), "sync_s": rep.timings.get("total_s"),
-               "step_s": time.time() - t0, "format": args.format}
-        print(json.dumps(rec), flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if not rep.ok:
-            print(rep.summary())
-            return 1
-    return 0
+    try:
+        rep = sync(0)
+        assert rep.ok, rep.summary()
+        g = torch.Generator().manual_seed(0)
+        vocab = learner.config.vocab_size
+        prompts = [torch.randint(1, vocab, (8,), generator=g).tolist() for _ in range(args.prompts)]
+        for step in range(1, args.steps + 1):
+            t0 = time.time()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=step,
+                                               ignore_eos=True), use_tqdm=False)
+            comps = [list(o.outputs[0].token_ids) for o in outs]
+            rollout = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, c)] for o, c in zip(outs, comps)]
+            train = learner_logprobs(learner, prompts, comps)
+            metrics = mismatch_metrics(rollout, [t.detach().tolist() for t in train])
+            reward = torch.tensor([sum(1 for x in c if x % 2 == 0) / len(c) for c in comps])
+            adv = reward - reward.mean()
+            loss = -(adv * torch.stack([t.sum() for t in train])).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rep = sync(step)
+            rec = {"step": step, "reward": reward.mean().item(), "loss": loss.item(), **metrics,
+                   "sync_ok": rep.ok, "sync_failed": rep.failed(), "sync_s": rep.timings.get("total_s"),
+                   "step_s": time.time() - t0, "format": args.format}
+            print(json.dumps(rec), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            if not rep.ok:
+                print(rep.summary())
+                return 1
+        return 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()      # before os._exit: the engine process holds our stdout
 
 
 if __name__ == "__main__":

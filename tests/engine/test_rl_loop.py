@@ -19,7 +19,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rl_lo
 def test_rl_loop_runs_and_syncs(tmp_path, fmt):
     out = tmp_path / "steps.jsonl"
     r = subprocess.run([sys.executable, EXAMPLE, "--steps", "2", "--prompts", "4", "--format", fmt, "--json", str(out)],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
     steps = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]

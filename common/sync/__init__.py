@@ -1,0 +1,1 @@
+"""The weight-sync contract: fingerprints, write recording, manifests, the seven checks, transports."""
