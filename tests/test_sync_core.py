@@ -142,3 +142,96 @@ def test_middleware_is_off_by_default(monkeypatch):
 
 
 
+
+
+def test_device_backup_and_digest_off():
+    ad = TinyAdapter()
+    w = torch.randn(64, 96)
+    s = UpdateSession(ad, Manifest.of({"weight": w}, 1, "bf16"), backup="device", digest="off")
+    s.load([("weight", w)])
+    rep = s.finish()
+    assert not rep.failed() and rep.extra["regions"] == [] and s.commit(True)
+    s2 = UpdateSession(ad, Manifest.of({"weight": w}, 2, "bf16"), backup="device")
+    s2.load([("weight", w * 2)])
+    assert s2.recorder.backups["weight"].device == w.device
+    chk = s2.abort()
+    assert chk.ok and torch.equal(ad.m.weight.data, w) and ad.version == 1
+    with pytest.raises(ValueError, match="backup must be"):
+        UpdateSession(ad, Manifest.of({"weight": w}, 3, "bf16"), backup="disk")
+
+
+class _PipeGroup:
+    """Stands in for an NCCL communicator: rank 0's broadcasts arrive, in order, at the other end.
+    The queue holds one tensor, so a client that did not send while the load RPC receives deadlocks."""
+
+    def __init__(self, q, me):
+        self.q, self.me = q, me
+
+    def broadcast(self, t, src=0, stream=None):
+        if self.me == 0:
+            self.q.put(t.clone(), timeout=10)
+        else:
+            t.copy_(self.q.get(timeout=10))
+
+
+class _OneRankTransport:
+    """A trainer<->engine transport over the engine-agnostic session, with an NCCL-like push."""
+
+    def __init__(self, adapter):
+        import queue
+        from mxfp8_learner_grid.common.sync.transport import nccl_send, nccl_source, read_source
+        q = queue.Queue(maxsize=1)
+        self.trainer, self.worker = _PipeGroup(q, 0), _PipeGroup(q, 1)
+        self.ad, self.session = adapter, None
+        self._src, self._send, self._read = nccl_source, nccl_send, read_source
+
+    def stage(self, bucket):
+        return self._src(bucket)
+
+    def send(self, bucket, source):
+        self._send(self.trainer, bucket)
+
+    def release(self, source):
+        pass
+
+    def pause(self):
+        pass
+
+    resume = reset_prefix_cache = pause
+
+    def rpc(self, method, *args):
+        import dataclasses
+        import json
+        if method == "grid_state":
+            return [{"rank": 0, "version": self.ad.version, "torn": False}]
+        if method == "grid_update_begin":
+            opts = json.loads(args[1])
+            self.session = UpdateSession(self.ad, Manifest.from_json(args[0]), backup=opts["backup"],
+                                         digest=opts["digest"])
+            return [{}]
+        if method == "grid_update_load":
+            self.session.load(self._read(args[0], "cpu", nccl=self.worker).items())
+            return [{}]
+        if method == "grid_update_finish":
+            return [dataclasses.asdict(self.session.finish())]
+        if method == "grid_update_commit":
+            return [{"applied": self.session.commit(args[0] == "1"), "version": self.ad.version, "rank": 0}]
+        if method == "grid_update_abort":
+            return [{"check": dataclasses.asdict(self.session.abort())}]
+        raise AssertionError(method)
+
+
+def test_client_pushes_nccl_buckets_while_the_engine_receives():
+    from mxfp8_learner_grid.common.sync.client import GridSyncClient
+    from mxfp8_learner_grid.common.sync.transport import nccl_source
+    ad = TinyAdapter()
+    ad.version = 0
+    client = GridSyncClient(_OneRankTransport(ad), digest="full", bucket_bytes=1)
+    w = torch.randn(64, 96)
+    rep = client.update_weights({"weight": w}, format="bf16", version=5)
+    assert rep.ok, rep.summary()
+    assert torch.equal(ad.m.weight.data, w) and ad.version == 5
+    assert nccl_source([("weight", w)]) == {"kind": "nccl", "tensors": [["weight", "float32", [64, 96]]]}
+    # a NaN tensor: received, then refused by the session; the engine keeps version 5's bytes
+    rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=6)
+    assert not rep.applied and "NaN" in (rep.error or "") and torch.equal(ad.m.weight.data, w) and ad.version == 5

@@ -6,35 +6,67 @@
     report = client.update_weights(model.state_dict(), format="bf16", version=7)
     assert report.ok, report.summary()
 
-Bulk bytes travel as safetensors files in shared memory (``/dev/shm``) on the CPU, or as
-CUDA IPC handles when trainer and engine share a GPU (``staging="cuda_ipc"``, in-process
-only: IPC handles are pickles and are never accepted over HTTP).
+Bulk bytes travel (``staging=``):
+
+* ``"shm"`` -- safetensors files in shared memory (``/dev/shm``): the CPU path, any host-local trainer;
+* ``"cuda_ipc"`` -- CUDA IPC handles when trainer and engine share a GPU (in-process only: IPC
+  handles are pickles and are never accepted over HTTP);
+* ``"nccl"`` -- an NCCL broadcast from the trainer's GPU to every engine worker (in-process or
+  over HTTP), over a group formed at connect time: ``connect(llm, staging="nccl",
+  nccl={"host": "127.0.0.1", "port": 29555})``.  The trainer is rank 0 on its current CUDA
+  device; the workers join with the ``grid_nccl_init`` RPC.  A failed bucket can leave the
+  group with unmatched broadcasts: form a new one (another port) after an error.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
-from mxfp8_learner_grid.common.sync.transport import cuda_ipc_source, write_safetensors_bucket
+from mxfp8_learner_grid.common.sync.transport import (cuda_ipc_source, nccl_send, nccl_source, run_beside,
+                                                      write_safetensors_bucket)
 
 GRID_WORKER = "mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension"
 GRID_MIDDLEWARE = "mxfp8_learner_grid.vllm_plugin.http.GridUpdateMiddleware"
 
 
+STAGINGS = ("shm", "cuda_ipc", "nccl")
+
+
 class _Staging:
     def __init__(self, staging: str):
-        if staging not in ("shm", "cuda_ipc"):
-            raise ValueError(f"staging must be 'shm' or 'cuda_ipc'; got {staging!r}")
+        if staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}; got {staging!r}")
         self.staging = staging
         self._keep = []
+        self.nccl = None
+
+    def init_nccl(self, host: str = "127.0.0.1", port: int = 29555, device=None) -> None:
+        """Form the trainer<->workers NCCL group (the trainer is rank 0 on ``device``)."""
+        import torch
+        from .compat import nccl_group
+        world = 1 + len(self.rpc("grid_state"))
+        join = run_beside(self.rpc, "grid_nccl_init", json.dumps({"host": host, "port": int(port),
+                                                                   "world_size": world, "rank_offset": 1}))
+        self.nccl = nccl_group(host, port, 0, world, device if device is not None else torch.cuda.current_device())
+        join()
 
     def stage(self, bucket):
+        if self.staging == "nccl":
+            if self.nccl is None:
+                raise RuntimeError("staging='nccl' needs init_nccl() first (connect(..., nccl={...}) does it)")
+            return nccl_source(bucket)
         if self.staging == "cuda_ipc":
             self._keep = [t for _, t in bucket]       # the trainer's buffers must outlive the load
             return cuda_ipc_source(bucket)
         return write_safetensors_bucket(bucket)
+
+    def send(self, bucket, source) -> None:
+        """Push the bytes of a staged bucket while the workers' load RPC is running (nccl only)."""
+        if source.get("kind") == "nccl":
+            nccl_send(self.nccl, bucket)
 
     def release(self, source):
         if source.get("kind") == "safetensors":
@@ -82,8 +114,11 @@ class LLMTransport(_Staging):
 class HTTPTransport(_Staging):
     """A running ``vllm serve`` started with the grid worker extension and middleware."""
 
-    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, model: Optional[str] = None):
-        super().__init__("shm")
+    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, model: Optional[str] = None,
+                 staging: str = "shm"):
+        if staging == "cuda_ipc":
+            raise ValueError("CUDA IPC handles are never accepted over HTTP; use staging='shm' or 'nccl'")
+        super().__init__(staging)
         import requests
         self.s = requests.Session()
         self.base, self.timeout = base_url.rstrip("/"), timeout
@@ -129,9 +164,15 @@ class HTTPTransport(_Staging):
         return lps, cached
 
 
-def connect(target, api_key: Optional[str] = None, staging: str = "shm", **client_kwargs) -> GridSyncClient:
-    """A GridSyncClient over an ``LLM`` object or a server URL."""
+def connect(target, api_key: Optional[str] = None, staging: str = "shm", nccl: Optional[dict] = None,
+            **client_kwargs) -> GridSyncClient:
+    """A GridSyncClient over an ``LLM`` object or a server URL.  ``staging="nccl"`` forms the NCCL
+    group now (``nccl``: host, port, optional device)."""
     if isinstance(target, str):
-        return GridSyncClient(HTTPTransport(target, api_key, model=client_kwargs.pop("model", None)), **client_kwargs)
-    return GridSyncClient(LLMTransport(target, staging), **client_kwargs)
+        t = HTTPTransport(target, api_key, model=client_kwargs.pop("model", None), staging=staging)
+    else:
+        t = LLMTransport(target, staging)
+    if staging == "nccl":
+        t.init_nccl(**(nccl or {}))
+    return GridSyncClient(t, **client_kwargs)
 

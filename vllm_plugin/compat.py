@@ -94,9 +94,19 @@ def moe_activation_name(layer) -> str:
     return str(getattr(act, "value", act)).lower()
 
 
+def nccl_group(host: str, port: int, rank: int, world_size: int, device):
+    """A trainer<->workers NCCL communicator outside torch.distributed (vLLM's own
+    ``StatelessProcessGroup`` + ``PyNcclCommunicator``, the pair its RLHF examples use; the
+    same classes in 0.26 and 0.32).  Both the trainer (rank 0) and every worker call it."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    pg = StatelessProcessGroup.create(host=host, port=int(port), rank=int(rank), world_size=int(world_size))
+    return PyNcclCommunicator(pg, device=device)
+
+
 __all__ = [
     "Attention", "BaseKVCacheMethod", "FusedMoEMethodBase", "FusedMoeWeightScaleSupported", "LinearBase",
     "LinearMethodBase", "MOE_LAYER_TYPES", "QuantizationConfig", "QuantizeMethodBase", "RoutedExperts",
     "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "VLLM_VERSION", "check_version", "load_format",
-    "moe_activation_name", "moe_quant_config_none", "register_quantization_config", "set_weight_attrs",
+    "moe_activation_name", "moe_quant_config_none", "nccl_group", "register_quantization_config", "set_weight_attrs",
 ]

@@ -29,7 +29,7 @@ import tempfile
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
 STAGING_ENV = "MXFP8_GRID_STAGING_DIRS"
 ALLOWED = {"grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit", "grid_update_abort",
-           "grid_state", "grid_fingerprints"}
+           "grid_state", "grid_fingerprints", "grid_nccl_init"}
 _state = {"version": 0}
 
 
@@ -120,8 +120,15 @@ class GridUpdateMiddleware:
             src = json.loads(src_json)
         except Exception as exc:
             raise HTTPError(400, f"bucket source is not JSON: {exc}") from None
+        if isinstance(src, dict) and src.get("kind") == "nccl":
+            t = src.get("tensors")
+            if not isinstance(t, list) or not all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+                                                  and isinstance(e[1], str) and isinstance(e[2], list) for e in t):
+                raise HTTPError(400, "an nccl bucket source is {\"kind\": \"nccl\", \"tensors\": [[name, dtype, shape], ...]}")
+            return
         if not isinstance(src, dict) or src.get("kind") != "safetensors":
-            raise HTTPError(400, "over HTTP a bucket source must be {\"kind\": \"safetensors\", \"path\": ...}")
+            raise HTTPError(400, "over HTTP a bucket source must be {\"kind\": \"safetensors\", \"path\": ...} "
+                                 "or {\"kind\": \"nccl\", ...}")
         path = os.path.realpath(str(src.get("path", "")))
         if not any(path.startswith(d + os.sep) for d in _staging_dirs()):
             raise HTTPError(400, f"bucket path must be inside {_staging_dirs()} ({STAGING_ENV})")

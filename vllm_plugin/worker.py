@@ -11,6 +11,7 @@ over HTTP.  The trainer-side client (``vllm_plugin.client``) drives them:
     grid_update_abort()                              roll back now
     grid_state()                                     version, torn flag, on-grid layer count
     grid_fingerprints(names_json)                    fingerprints of named parameters (for tests)
+    grid_nccl_init(info_json)                        join the trainer's NCCL group (nccl buckets)
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ class GridWorkerExtension:
         prev = getattr(self, "_grid_session", None)
         if prev is not None and not prev.finished:
             prev.commit(False)
-        self._grid_session = UpdateSession(ad, manifest, backup=bool(opts.get("backup", True)),
+        self._grid_session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                            digest=opts.get("digest", "sampled"),
                                            fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))
         return {"rank": ad.rank, "begun": True}
 
     def grid_update_load(self, source_json: str) -> dict:
         s = self._grid_session
-        tensors = read_source(source_json, self._device())
+        tensors = read_source(source_json, self._device(), nccl=getattr(self, "_grid_nccl", None))
         s.load(tensors.items())
         return {"rank": s.adapter.rank, "tensors": len(tensors)}
 
@@ -92,6 +93,15 @@ class GridWorkerExtension:
         params = dict(self._grid().model().named_parameters())
         names = json.loads(names_json) or list(params)
         return {n: fingerprint(params[n]) for n in names if n in params}
+
+    def grid_nccl_init(self, info_json: str) -> dict:
+        """Join the trainer's NCCL group: {"host", "port", "world_size", "rank_offset"}; this worker
+        is rank ``rank_offset + its engine rank`` (the trainer is rank 0)."""
+        from .compat import nccl_group
+        info = json.loads(info_json)
+        rank = int(info.get("rank_offset", 1)) + self._grid().rank
+        self._grid_nccl = nccl_group(info["host"], info["port"], rank, info["world_size"], self._device())
+        return {"rank": self._grid().rank, "nccl_rank": rank}
 
     def grid_set_faults(self, faults_json: str) -> list:
         if os.environ.get(FAULTS_ENV) != "1":

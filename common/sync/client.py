@@ -5,6 +5,8 @@ in-process ``LLM`` or a running ``vllm serve`` over HTTP).  A transport provides
 
     rpc(method, *str_args) -> [result per rank]      the worker extension's grid_* methods
     stage(bucket) -> source dict; release(source)    move bytes (shm file, CUDA IPC, ...)
+    send(bucket, source)  (optional)                  push the bytes while the load RPC runs
+                                                      (e.g. an NCCL broadcast the workers receive)
     pause(); resume(); reset_prefix_cache()           generation control
     prompt_logprobs(prompts) -> (logprobs, cached)    for the probes (optional)
 
@@ -28,7 +30,7 @@ from ..quantize import quantize_rows
 from .manifest import Manifest
 from .report import CheckResult, SyncReport
 from .session import fingerprint_regions
-from .transport import buckets
+from .transport import buckets, run_beside
 
 HIGH = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,11 +94,7 @@ class GridSyncClient:
             t0 = time.perf_counter()
             self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
             for bucket in buckets(named.items(), self.bucket_bytes):
-                src = self.t.stage(bucket)
-                try:
-                    self.t.rpc("grid_update_load", json.dumps(src))
-                finally:
-                    self.t.release(src)
+                self._load_bucket(bucket)
             timings["transfer_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             ranks = [SyncReport.from_dict(d) for d in self.t.rpc("grid_update_finish")]
@@ -111,7 +109,9 @@ class GridSyncClient:
             problems = fingerprint_regions(lt.get, regions)
             identity_ok = (not problems) if regions else None
             report.checks.append(CheckResult("byte_identity", identity_ok,
-                                             problems or [f"{len(regions)} regions compared ({self.digest})"],
+                                             problems or ([f"{len(regions)} regions compared ({self.digest})"]
+                                                          if self.digest != "off" else
+                                                          ["not checked (digest='off')"]),
                                              time.perf_counter() - t0))
             accept = report.error is None and not report.failed()
             commits = self.t.rpc("grid_update_commit", "1" if accept else "0")
@@ -143,6 +143,21 @@ class GridSyncClient:
                 self.t.resume()
         timings["total_s"] = time.perf_counter() - t_all
         return report
+
+    def _load_bucket(self, bucket) -> None:
+        src = self.t.stage(bucket)
+        try:
+            send = getattr(self.t, "send", None)
+            if send is None:
+                self.t.rpc("grid_update_load", json.dumps(src))
+                return
+            join = run_beside(self.t.rpc, "grid_update_load", json.dumps(src))
+            try:
+                send(bucket, src)
+            finally:
+                join()
+        finally:
+            self.t.release(src)
 
     # -- client-side checks ----------------------------------------------------------------
     def _versions(self, want: int) -> CheckResult:

@@ -8,8 +8,11 @@ destination lives in a registered parameter is
   from a BF16 weight) -- and to a destination box in the parameter;
 * checked before it happens: dtype (no silent casts into a parameter), no NaN where the
   format forbids it (fp8 codes 0x7F/0xFF, E8M0 scale 255);
-* backed up (optional): the parameter's previous bytes are copied to host memory the first
-  time it is touched, so that a failed update can be undone, whole.
+* backed up (optional): the parameter's previous bytes are copied the first time it is
+  touched -- to host memory (``backup="host"``, the default) or to a spare buffer on the
+  parameter's own device (``backup="device"``: an on-device copy, no PCIe round trip, at
+  the cost of GPU memory for the touched parameters) -- so that a failed update can be
+  undone, whole.
 
 This is engine-agnostic: it sees tensors, not vLLM or SGLang classes.
 """
@@ -24,6 +27,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import format as F
 from .regions import Box, view_box
+
+
+def backup_mode(b) -> str:
+    """Normalize a backup option: "host" (True), "device", or "" (False / "off")."""
+    if b is True or b == "host":
+        return "host"
+    if b == "device":
+        return "device"
+    if b in (False, None, "off", "", "0", 0):
+        return ""
+    raise ValueError(f"backup must be 'host', 'device' or 'off'; got {b!r}")
 
 
 class UpdateRejected(ValueError):
@@ -67,15 +81,15 @@ def _nan_codes(t: torch.Tensor) -> bool:
 @dataclass
 class WriteRecorder(TorchDispatchMode):  # noqa: D101
     params: dict                                  # name -> tensor (parameters the update may write)
-    backup: bool = True
+    backup: bool | str = True                     # True/"host", "device", or False/"off"
     writes: list = field(default_factory=list)
     backups: dict = field(default_factory=dict)   # param name -> host copy of its previous bytes
-    backup_fps: dict = field(default_factory=dict)  # param name -> fingerprint of those bytes
     _by_storage: dict = field(default_factory=dict)
     _sources: dict = field(default_factory=dict)
 
     def __post_init__(self):
         super().__init__()
+        self.backup = backup_mode(self.backup)
         for name, p in self.params.items():
             self._by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
 
@@ -129,9 +143,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
             if src.is_floating_point() and src.dtype != F.FP8_DTYPE and not bool(torch.isfinite(src).all()):
                 raise UpdateRejected(f"{sname}: holds NaN or Inf")
         if self.backup and pname not in self.backups:
-            self.backups[pname] = param.detach().to("cpu", copy=True)
-            from .digest import fingerprint
-            self.backup_fps[pname] = fingerprint(self.backups[pname])
+            self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
         dbox = view_box(dest, param.shape, param.storage_offset())
         sbox = view_box(src, s.base_shape, s.base_offset) if (s is not None and isinstance(src, torch.Tensor)) \
             else None

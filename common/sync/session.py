@@ -104,6 +104,7 @@ class UpdateSession:
         self.received: set[str] = set()
         self.silent: list[str] = []        # tensors the engine's loader wrote nowhere
         self.recorder = WriteRecorder(self.params, backup=backup)
+        self.backup = self.recorder.backup
         self.torn = False
         self.dead = False
         self.rollback_problems: list[str] = []
@@ -154,7 +155,7 @@ class UpdateSession:
             self.adapter.after_load()
         finally:
             self._restore_objects()       # in case the post-processing step is what rebinds
-        bad = [n for n in restored if fingerprint(self.objs[n]) != self.recorder.backup_fps.get(n)]
+        bad = [n for n in restored if fingerprint(self.objs[n]) != fingerprint(self.recorder.backups[n])]
         self.rollback_problems = bad
         return restored
 
@@ -307,6 +308,9 @@ class UpdateSession:
 
     def _regions(self) -> list:
         """(source, role, src_box, param, dest_box, fingerprint) of the writes, all or a seeded sample."""
+        if self.digest == "off":
+            self.timings["digest_s"] = 0.0
+            return []
         writes = [w for w in self.recorder.writes if w.role in ("data", "scale") or self.digest == "full"]
         if self.digest == "sampled":
             rnd = random.Random(self.seed)

@@ -7,6 +7,11 @@ same call works in-process and over HTTP); the bytes travel beside it:
   (the CPU path, and any host-local trainer).
 * ``{"kind": "cuda_ipc", "tensors": {name: handle}}`` -- colocated on one GPU: the engine
   maps the trainer's CUDA buffers (``torch.multiprocessing`` IPC handles), no copy.
+* ``{"kind": "nccl", "tensors": [[name, dtype, shape], ...]}`` -- the trainer on another GPU
+  broadcasts the tensors, in this order, over an NCCL group it formed with the engine's
+  workers (rank 0 = the trainer); each worker receives into fresh buffers.  The engine
+  supplies the group (``read_source(..., nccl=group)``): anything with vLLM's
+  ``PyNcclCommunicator.broadcast(tensor, src, stream)``.
 
 ``read_source`` returns {name: tensor} on the engine side.
 """
@@ -18,6 +23,7 @@ import json
 import os
 import pickle
 import tempfile
+import threading
 from typing import Iterable, Iterator
 
 import torch
@@ -56,10 +62,39 @@ def cuda_ipc_source(bucket: list[tuple[str, torch.Tensor]]) -> dict:
     return {"kind": "cuda_ipc", "tensors": handles}
 
 
-def read_source(source: dict | str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def nccl_source(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    return {"kind": "nccl", "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in bucket]}
+
+
+def nccl_send(group, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """Trainer side of an ``nccl`` source: broadcast the bucket from rank 0, in order."""
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    for _, t in bucket:
+        group.broadcast(t.detach().contiguous(), src=0, stream=stream)
+
+
+def _nccl_receive(source: dict, device, group) -> dict[str, torch.Tensor]:
+    if group is None:
+        raise RuntimeError("an nccl bucket arrived but this worker has no NCCL group with the trainer "
+                           "(call the client's init_nccl first)")
+    out = {}
+    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
+    for name, dtype, shape in source["tensors"]:
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"{name}: unknown dtype {dtype!r} in an nccl bucket")
+        t = torch.empty([int(x) for x in shape], dtype=dt, device=device)
+        group.broadcast(t, src=0, stream=stream)
+        out[name] = t
+    return out
+
+
+def read_source(source: dict | str, device: torch.device | str = "cpu", nccl=None) -> dict[str, torch.Tensor]:
     if isinstance(source, str):
         source = json.loads(source)
     kind = source.get("kind")
+    if kind == "nccl":
+        return _nccl_receive(source, device, nccl)
     if kind == "safetensors":
         from safetensors.torch import load_file
         return load_file(source["path"], device=str(device))
@@ -70,3 +105,26 @@ def read_source(source: dict | str, device: torch.device | str = "cpu") -> dict[
             out[name] = fn(*args)
         return out
     raise ValueError(f"unknown update source kind {kind!r}")
+
+
+def run_beside(fn, *args):
+    """Start ``fn(*args)`` in a thread; the returned ``join()`` waits and re-raises its exception.
+
+    A push transport (NCCL) must send while the engine's blocking load RPC is receiving."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:          # noqa: BLE001 -- re-raised in join
+            box["error"] = exc
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+
+    def join():
+        th.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+    return join
