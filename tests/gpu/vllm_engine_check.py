@@ -39,10 +39,17 @@ VOCAB = 151936
 N_PROMPTS, PROMPT_LEN, GEN = 8, 256, 32
 
 
-def make_checkpoint(shape: str, layers: int, root: str, seed: int = 0) -> tuple[str, str]:
-    import torch
+def make_config(shape: str, layers: int, root: str) -> str:
+    """A directory with only the config.json of the shape (for ``load_format="dummy"``)."""
+    cfg = hf_config(shape, layers)
+    path = os.path.join(root, f"{shape}-{layers}l-config")
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    return path
+
+
+def hf_config(shape: str, layers: int):
     import transformers
-    from safetensors.torch import save_file
     s = dict(SHAPES[shape])
     arch = s.pop("arch")
     moe = arch.startswith("Qwen3Moe")
@@ -54,6 +61,15 @@ def make_checkpoint(shape: str, layers: int, root: str, seed: int = 0) -> tuple[
     else:
         cfg = transformers.Qwen3Config(**common, **s)
     cfg.architectures = [arch]
+    return cfg
+
+
+def make_checkpoint(shape: str, layers: int, root: str, seed: int = 0) -> tuple[str, str]:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    cfg = hf_config(shape, layers)
+    moe = cfg.architectures[0].startswith("Qwen3Moe")
     path = os.path.join(root, f"{shape}-{layers}l")
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
@@ -106,9 +122,9 @@ def prompts():
     return [[r.randrange(1000, 100000) for _ in range(PROMPT_LEN)] for _ in range(N_PROMPTS)]
 
 
-def run_arm(arm: str, model: str, out: str) -> None:
+def run_arm(arm: str, model: str, out: str, dtype: str = "bfloat16") -> None:
     from vllm import LLM, SamplingParams
-    kw = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, seed=0,
+    kw = dict(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024, seed=0,
               gpu_memory_utilization=0.6, max_num_seqs=16)
     if arm.startswith("grid"):
         kw["quantization"] = "mxfp8-learner-grid"
@@ -138,14 +154,14 @@ def run_arm(arm: str, model: str, out: str) -> None:
         json.dump(rec, f)
 
 
-def run_learner(model: str, seqs_file: str, out: str) -> None:
+def run_learner(model: str, seqs_file: str, out: str, dtype: str = "bfloat16") -> None:
     import torch
     import transformers
     from mxfp8_learner_grid.common.learner import apply_learner_grid
     seqs = json.load(open(seqs_file))
     rec = {}
     for mode in ("grid", "bf16"):
-        m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+        m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).cuda().eval()
         if mode == "grid":
             apply_learner_grid(m)
         rec[mode] = {}
@@ -179,26 +195,28 @@ def main():
     ap.add_argument("--root", default="/tmp/grid-models")
     ap.add_argument("--arms", default="grid,bf16,grid_kvfp8,grid_tp2")
     ap.add_argument("--arm-timeout", type=int, default=200)
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="engine and learner dtype; float32 leaves only accumulation order between them")
     ap.add_argument("--_arm", help=argparse.SUPPRESS)
     ap.add_argument("--_model", help=argparse.SUPPRESS)
     ap.add_argument("--_learner", help=argparse.SUPPRESS)
     ap.add_argument("--_json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._arm:
-        return run_arm(args._arm, args._model, args._json)
+        return run_arm(args._arm, args._model, args._json, args.dtype)
     if args._learner:
-        return run_learner(args._model, args._learner, args._json)
+        return run_learner(args._model, args._learner, args._json, args.dtype)
 
     t0 = time.time()
     path, kvpath = make_checkpoint(args.shape, args.layers, args.root)
-    report = {"shape": args.shape, "layers": args.layers, "checkpoint_s": round(time.time() - t0, 1), "arms": {}}
+    report = {"shape": args.shape, "layers": args.layers, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "checkpoint_s": round(time.time() - t0, 1), "arms": {}}
     arms = {}
     for arm in args.arms.split(","):
         j = f"{args.root}/{args.shape}-{arm}.json"
         t = time.time()
         try:
             r = subprocess.run([sys.executable, __file__, "--_arm", arm, "--_model",
-                                kvpath if arm.endswith("kvfp8") else path, "--_json", j], capture_output=True,
+                                kvpath if arm.endswith("kvfp8") else path, "--_json", j, "--dtype", args.dtype], capture_output=True,
                                text=True, env=dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
                                timeout=args.arm_timeout)
         except subprocess.TimeoutExpired as exc:
@@ -221,7 +239,8 @@ def main():
     sj = f"{args.root}/{args.shape}-seqs.json"
     json.dump(seqs, open(sj, "w"))
     lj = f"{args.root}/{args.shape}-learner.json"
-    r = subprocess.run([sys.executable, __file__, "--_learner", sj, "--_model", path, "--_json", lj],
+    r = subprocess.run([sys.executable, __file__, "--_learner", sj, "--_model", path, "--_json", lj,
+                        "--dtype", args.dtype],
                        capture_output=True, text=True, timeout=240)
     if r.returncode:
         report["learner_error"] = r.stderr[-4000:]

