@@ -17,6 +17,8 @@ Arms (sampler side; the learner is MXFP8 unless the arm says otherwise):
 ``grid_half``      ``mxfp8-learner-grid`` on the first half of the decoder layers
 ``grid_all``       ``mxfp8-learner-grid`` on every Linear / expert
 ``fp8``            vLLM's own ``--quantization fp8`` (per-tensor FP8, another grid; CUDA only)
+``fp8emu_tensor``  another grid, emulated (``common/emulation.py``): per-tensor FP8 W8A8
+``fp8emu_block128`` another grid, emulated: 128x128 weight blocks, 1x128 activation groups
 ``grid_all_kvfp8`` ``grid_all`` + FP8 KV cache, per-layer scales from the learner (amax/448)
 ``bf16_bf16``      vLLM in BF16 against the BF16 learner (BF16 end to end)
 =================  ===============================================================
@@ -46,6 +48,8 @@ ARMS = {
     "grid_all": dict(quant="all", learner="grid"),
     "fp8": dict(quant="fp8", learner="grid"),
     "grid_all_kvfp8": dict(quant="all", kv="fp8", learner="grid"),
+    "fp8emu_tensor": dict(quant="emulate:fp8_per_tensor", learner="grid"),
+    "fp8emu_block128": dict(quant="emulate:fp8_block128", learner="grid"),
     "bf16_bf16": dict(quant=None, learner="bf16"),
 }
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -118,6 +122,9 @@ def run_arm(arm: str, model: str, sets_file: str, out: str, max_tokens: int, cfg
                                   json.dumps({"modules": {"layers": list(range(num_layers // 2))}})}
     elif spec["quant"] == "fp8":
         kw["quantization"] = "fp8"
+    elif spec["quant"] and spec["quant"].startswith("emulate:"):
+        kw["quantization"] = "mxfp8-learner-grid"
+        kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps({"emulate": spec["quant"][8:]})}
     if spec.get("kv") == "fp8":
         kw["kv_cache_dtype"] = "fp8"
     t0 = time.time()

@@ -15,6 +15,8 @@ Options (all optional)::
       exclude: ["lm_head", "*.mlp.gate", ...]
       layers: [0, 1, 2, 3]         # decoder-layer indices; e.g. half of the layers
     kv_cache_scales: optional      # or "required": fail the load if --kv-cache-dtype fp8 has no scales
+    emulate: fp8_per_tensor        # STUDY ONLY: the selected modules on another FP8 grid instead
+                                   # (common/emulation.py; fp8_per_tensor | fp8_block128), BF16 weights
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
 all of its Hugging Face shards (``q_proj``/``k_proj``/``v_proj``) are selected and none is
@@ -35,7 +37,7 @@ from mxfp8_learner_grid.common.wire import QUANT_METHOD
 from . import compat
 
 KNOWN_KEYS = {"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
-              "activation_scheme", "checkpoint_format", "producer"}
+              "activation_scheme", "checkpoint_format", "producer", "emulate"}
 
 
 class MXFP8LearnerGridConfig(compat.QuantizationConfig):
@@ -45,6 +47,11 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
         super().__init__()
         if kv_cache_scales not in ("optional", "required"):
             raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {kv_cache_scales!r}")
+        self.emulate = (raw or {}).get("emulate")
+        if self.emulate is not None:
+            from mxfp8_learner_grid.common.emulation import SCHEMES
+            if self.emulate not in SCHEMES:
+                raise ValueError(f"emulate must be one of {SCHEMES}; got {self.emulate!r}")
         self.selection = selection or ModuleSelection()
         self.kv_cache_scales = kv_cache_scales
         self.raw = dict(raw or {})
@@ -109,6 +116,12 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
         from .kv_cache import GridKVCacheMethod
         from .linear_method import GridLinearMethod, GridPlainLinearMethod
         from .moe_method import GridMoEMethod
+        if self.emulate is not None:                  # the consistency study's other-grid arms
+            from .emulation_method import EmulatedLinearMethod, EmulatedMoEMethod
+            if isinstance(layer, compat.LinearBase):
+                return EmulatedLinearMethod(self.emulate) if self.on_grid(prefix) else GridPlainLinearMethod()
+            if isinstance(layer, compat.MOE_LAYER_TYPES) and self.on_grid(prefix):
+                return EmulatedMoEMethod(self.emulate, layer)
         if isinstance(layer, compat.LinearBase):
             return GridLinearMethod(self, prefix) if self.on_grid(prefix) else GridPlainLinearMethod()
         if isinstance(layer, compat.MOE_LAYER_TYPES):
