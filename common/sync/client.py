@@ -28,6 +28,7 @@ import torch
 
 from ..quantize import quantize_rows
 from .manifest import Manifest
+from .recorder import backup_mode
 from .report import CheckResult, SyncReport
 from .session import fingerprint_regions
 from .transport import buckets, run_beside
@@ -61,7 +62,7 @@ class LearnerTruth:
 
 class GridSyncClient:
 
-    def __init__(self, transport, digest: str = "sampled", fraction: float = 0.05, backup: bool = True,
+    def __init__(self, transport, digest: str = "sampled", fraction: float = 0.05, backup: bool | str = True,
                  bucket_bytes: int = 256 << 20, probe_prompts: Optional[list] = None,
                  learner_logprobs: Optional[Callable[[list], list]] = None, probe_tolerance: float = 2e-3,
                  cache_probe_prompt: Optional[list] = None):
@@ -135,7 +136,7 @@ class GridSyncClient:
                             report.checks.append(CheckResult(**r["check"]))
             finally:
                 report.error = f"{type(exc).__name__}: {exc}"
-                report.applied, report.rolled_back = False, self.backup
+                report.applied, report.rolled_back = False, backup_mode(self.backup) != ""
                 report.checks += _classify_rejection(str(exc))
                 report.checks.append(self._versions(self.version))
         finally:

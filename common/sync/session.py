@@ -85,9 +85,11 @@ def _now() -> float:
 
 
 class UpdateSession:
-    def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool = True, digest: str = "sampled",
+    def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool | str = True, digest: str = "sampled",
                  fraction: float = 0.05, seed: int = 0):
         t0 = _now()
+        if digest not in ("off", "sampled", "full"):
+            raise ValueError(f"digest must be 'off', 'sampled' or 'full'; got {digest!r}")
         self.adapter, self.manifest = adapter, manifest
         self.backup, self.digest, self.fraction, self.seed = backup, digest, fraction, seed
         sig, plain_dtypes, extra = adapter.signature()
