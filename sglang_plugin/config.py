@@ -1,0 +1,140 @@
+"""``--quantization mxfp8-learner-grid``: the QuantizationConfig SGLang instantiates.
+
+Where the options come from:
+1. a pre-quantized (wire-format) checkpoint: ``config.json`` -> ``quantization_config``
+   with ``"quant_method": "mxfp8-learner-grid"`` (``--quantization`` may then be omitted);
+2. a BF16 checkpoint with ``--json-model-override-args
+   '{"quantization_config": {"quant_method": "mxfp8-learner-grid", "modules": {"layers": [0, 1]}}}'``
+   (SGLang's way to override config.json; it then reaches ``from_config``);
+3. a BF16 checkpoint with ``--quantization mxfp8-learner-grid`` and nothing else: SGLang
+   calls the class with no arguments, and every Linear and every MoE expert is on the
+   grid, lm_head / embeddings / norms / routers in the model dtype.
+
+Options (all optional; the same keys as the vLLM plugin's)::
+
+    modules:                       # which modules run on the grid (common.selection)
+      include: ["*"]               # globs, or "re:<regex>"
+      exclude: ["lm_head", "*.mlp.gate", ...]
+      layers: [0, 1, 2, 3]         # decoder-layer indices
+    kv_cache_scales: optional      # or "required": fail the load if --kv-cache-dtype fp8_* has no scales
+
+A fused SGLang layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
+all of its Hugging Face shards are selected and none is excluded; a selection that splits
+a fused layer is an error (``ModuleSelection.matches_fused``).
+
+Naming: the class names contain neither "Fp8" nor "ModelOpt" nor "compressed", are not
+subclasses of SGLang's Fp8 classes and are not in ``WEIGHT_LOADER_V2_SUPPORTED``, so none
+of SGLang's string / isinstance special cases (backend choice, w1/w3 swap, scale renames)
+applies to them; ``get_name()`` is compared with "mxfp8" only by equality in SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.selection import ModuleSelection
+from mxfp8_learner_grid.common.wire import QUANT_METHOD
+
+from . import compat
+
+KNOWN_KEYS = {"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
+              "activation_scheme", "checkpoint_format", "producer"}
+#: keys SGLang's loader adds to the checkpoint's quantization_config before from_config
+INJECTED_KEYS = {"packed_modules_mapping", "hf_config", "requantization_method"}
+#: SGLang's fused layers of Llama/Qwen-like models, for when the model passes no mapping
+DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class LearnerGridConfig(compat.QuantizationConfig):
+
+    def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
+                 raw: Optional[dict[str, Any]] = None):
+        super().__init__()
+        if kv_cache_scales not in ("optional", "required"):
+            raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {kv_cache_scales!r}")
+        self.selection = selection or ModuleSelection()
+        self.kv_cache_scales = kv_cache_scales
+        self.raw = dict(raw or {})
+
+    def __repr__(self) -> str:
+        return f"LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
+
+    # -- QuantizationConfig API -------------------------------------------------------
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89          # FP8 conversions in the Triton kernels: Ada, Hopper and newer (no check on CPU)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []          # BF16 checkpoints: SGLang then calls LearnerGridConfig() (everything on the grid)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LearnerGridConfig":
+        config = dict(config or {})
+        packed = config.pop("packed_modules_mapping", None)
+        for key in INJECTED_KEYS:
+            config.pop(key, None)
+        method = config.get("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}")
+        unknown = set(config) - KNOWN_KEYS
+        if unknown:
+            raise ValueError(f"{QUANT_METHOD}: unknown quantization_config keys {sorted(unknown)}; "
+                             f"known: {sorted(KNOWN_KEYS)}")
+        if config.get("fmt", "e4m3") != "e4m3" or int(config.get("block_size", F.BLOCK_SIZE)) != F.BLOCK_SIZE \
+                or config.get("scale_format", "e8m0") != "e8m0":
+            raise ValueError(f"{QUANT_METHOD}: only E4M3 data with E8M0 scales per {F.BLOCK_SIZE} values is "
+                             f"the learner's grid; got {config}")
+        out = cls(ModuleSelection.from_dict(config.get("modules")), config.get("kv_cache_scales", "optional"),
+                  raw=config)
+        if packed:
+            out.packed_modules_mapping = dict(packed)
+        return out
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> Optional[str]:
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == QUANT_METHOD:
+            return QUANT_METHOD
+        return None
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from .kv_cache import LearnerGridKVCacheMethod
+        from .linear_method import LearnerGridLinearMethod
+        from .moe_method import LearnerGridMoEMethod
+        if isinstance(layer, compat.LinearBase):
+            return LearnerGridLinearMethod(self, prefix) if self.on_grid(prefix) else compat.UnquantizedLinearMethod()
+        if isinstance(layer, compat.FusedMoE):
+            # off the grid: None lets FusedMoE build its own unquantized method
+            return LearnerGridMoEMethod(self, prefix) if self.on_grid(prefix) else None
+        if isinstance(layer, compat.RadixAttention):
+            return LearnerGridKVCacheMethod(self, prefix)
+        return None
+
+    # -- module selection -------------------------------------------------------------
+    def checkpoint_shards(self, prefix: str) -> list[str] | None:
+        """Checkpoint module names fused into the SGLang module ``prefix`` (e.g. q/k/v_proj), or None."""
+        last = prefix.rpartition(".")[2]
+        return (self.packed_modules_mapping or {}).get(last) or DEFAULT_PACKED.get(last)
+
+    def on_grid(self, prefix: str) -> bool:
+        head = prefix.rpartition(".")[0]
+        shards = self.checkpoint_shards(prefix)
+        try:
+            if not shards:
+                return self.selection.matches(prefix)
+            return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
+        except ValueError as exc:
+            raise ValueError(f"{QUANT_METHOD}: {exc}") from None

@@ -1,0 +1,122 @@
+"""Dense Linear layers on the grid (QKV, O, gate_up, down) for SGLang.
+
+Parameters, as the learner sends them (this rank's part): ``weight`` float8_e4m3fn [N, K]
+and ``weight_scale_inv`` uint8 [N, K/32], both with ``output_dim=0`` / ``input_dim=1``, so
+SGLang's own ``weight_loader`` of ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` /
+``RowParallelLinear`` places and narrows the scales exactly like the data.
+
+Nothing is derived from the parameters: the forward (``torch.ops.mxfp8_learner_grid.linear``,
+the op the vLLM plugin calls) reads the compact scales as loaded.  So an update that
+writes new bytes in place is live at once -- in SGLang 0.5.17, whose
+``update_weights_from_tensor`` runs no post-processing, as in 0.5.23's update sessions --
+``process_weights_after_loading`` never reallocates and may run any number of times, and
+``restore_weights_before_loading`` has nothing to undo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.wire import WireFormatError
+
+from . import compat
+from .loading import SCALE_SENTINEL, check_complete, check_no_nan_scales, wrap_scale_loader, wrap_weight_loader, \
+    writes
+
+PARAMS = ("weight", "weight_scale_inv")
+
+
+def _expected_shards(layer, n_parts: int):
+    if isinstance(layer, compat.QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, compat.MergedColumnParallelLinear):
+        return list(range(n_parts))
+    return [None]
+
+
+def _dense_shard_key(*args, **kwargs):
+    if args:
+        return args[0]
+    return kwargs.get("loaded_shard_id")
+
+
+def _checkpoint_rows(layer, shard):
+    """Rows of the checkpoint tensor (unsharded) that a load of ``shard`` carries."""
+    if isinstance(layer, compat.QKVParallelLinear):
+        sizes = {"q": layer.total_num_heads * layer.head_size, "k": layer.total_num_kv_heads * layer.head_size,
+                 "v": layer.total_num_kv_heads * layer.v_head_size}
+        return sizes.get(shard, sum(sizes.values()) if shard is None else None)
+    if isinstance(layer, compat.MergedColumnParallelLinear):
+        if isinstance(shard, int):
+            return layer.output_sizes[shard]
+        return sum(layer.output_sizes) if shard is None else None     # e.g. tuple shard ids: not checked
+    return layer.output_size if shard is None else None
+
+
+def shard_info_for(layer, prefix: str, checkpoint_names: list[str] | None):
+    """(checkpoint tensor name, expected checkpoint shape [rows, K]) of a dense load."""
+    order = {s: i for i, s in enumerate(_expected_shards(layer, len(checkpoint_names or [])))}
+
+    def info(shard, param: str):
+        i = order.get(shard)
+        head = prefix.rpartition(".")[0]
+        if shard is not None and checkpoint_names and i is not None and i < len(checkpoint_names):
+            label = f"{head + '.' if head else ''}{checkpoint_names[i]}.{param}"
+        else:
+            label = f"{prefix}.{param}" + (f"[{shard}]" if shard is not None else "")
+        if getattr(layer, "use_presharded_weights", False):
+            return label, None
+        rows = _checkpoint_rows(layer, shard)
+        return label, None if rows is None else (rows, layer.input_size)
+
+    return info
+
+
+class LearnerGridLinearMethod(compat.LinearMethodBase):
+    """fp8 ``weight`` [N, K] + uint8 ``weight_scale_inv`` [N, K/32]; forward = the learner's."""
+
+    def __init__(self, quant_config, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if k % F.BLOCK_SIZE or any(p % F.BLOCK_SIZE for p in output_partition_sizes):
+            raise WireFormatError(
+                f"{self.prefix}: layer of partition shape out={list(output_partition_sizes)}, in={k} is not on "
+                f"the MXFP8 grid (every dim must be a multiple of {F.BLOCK_SIZE} after tensor-parallel "
+                f"splitting); exclude it with the module selection or change the TP size")
+        base_loader = extra_weight_attrs.pop("weight_loader")
+        weight = torch.nn.Parameter(torch.empty(n, k, dtype=F.FP8_DTYPE), requires_grad=False)
+        scale = torch.nn.Parameter(torch.full((n, k // F.BLOCK_SIZE), SCALE_SENTINEL, dtype=F.SCALE_DTYPE),
+                                   requires_grad=False)
+        for p in (weight, scale):
+            compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale_inv", scale)
+        info = shard_info_for(layer, self.prefix, self.quant_config.checkpoint_shards(self.prefix))
+        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader,
+                                                  _dense_shard_key, info)
+        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key, info)
+        layer.grid_prefix = self.prefix
+        layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
+        writes(layer).clear()
+
+    def process_weights_after_loading(self, layer) -> None:
+        # First call (after the checkpoint): every shard of data and scales was written.
+        # Every call (also end_weight_update in 0.5.23): no scale holds E8M0 255.  No
+        # allocation, no repacking: the parameters are what the forward reads.
+        if not getattr(layer, "grid_processed", False):
+            check_complete(layer, self.prefix, layer.grid_expected_shards, PARAMS)
+        check_no_nan_scales(layer, self.prefix, PARAMS)
+        layer.grid_processed = True
+
+    def restore_weights_before_loading(self, layer) -> None:
+        """Nothing to undo: the parameters keep their checkpoint (wire) layout after loading."""
+        return
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)

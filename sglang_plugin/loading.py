@@ -1,0 +1,173 @@
+"""Loading weights onto the grid inside SGLang's own loaders.
+
+Every on-grid layer has two parameters per weight: ``<w>`` (float8_e4m3fn, the learner's
+rowwise data) and ``<w>_scale_inv`` (uint8 E8M0, [rows, K/32]).  Both load through
+SGLang's own weight loader for the layer (so TP narrowing, q/k/v and gate/up offsets,
+expert ids are SGLang's), wrapped to:
+
+* take a BF16/FP16/FP32 checkpoint tensor, quantize it rowwise on the grid (TE-exact,
+  ``common.quantize_rows``; rows are independent and TP splits K at multiples of 32, so
+  quantizing the whole tensor then letting SGLang narrow it gives the learner's bytes)
+  and load data and scales through the same loader;
+* take an FP8 tensor (a pre-quantized wire-format checkpoint) as the learner's bytes:
+  copied, never re-quantized;
+* count every write per (parameter, shard) so that ``process_weights_after_loading`` can
+  name anything the checkpoint never provided.
+
+Engine-agnostic apart from the loader signatures, which SGLang shares with vLLM: this is
+the same logic as ``vllm_plugin/loading.py`` (a candidate for ``common/``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.sync.recorder import note_derived_source
+from mxfp8_learner_grid.common.wire import WireFormatError
+
+SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
+HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+SKIP = object()         # shard_key result for a write SGLang's loader drops (expert of another rank)
+ALL_SHARDS = None       # shard key of a write that covers every shard (fused on disk)
+
+
+def writes(layer) -> Counter:
+    """(parameter name, shard) -> number of writes, since creation or the last reset."""
+    if not hasattr(layer, "_grid_writes"):
+        layer._grid_writes = Counter()
+    return layer._grid_writes
+
+
+def _call(base_loader, name: str, param, loaded, *args, **kwargs):
+    """SGLang's loader, with its bare assertion / shape errors turned into one that names the tensor."""
+    try:
+        return base_loader(param, loaded, *args, **kwargs)
+    except WireFormatError:
+        raise
+    except Exception as exc:
+        raise WireFormatError(f"{name}: cannot load a checkpoint tensor of shape {tuple(loaded.shape)} "
+                              f"({loaded.dtype}) into the engine's {tuple(param.shape)} ({param.dtype}) "
+                              f"parameter: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_shape(label: str, t: torch.Tensor, want, what: str) -> None:
+    if want is not None and t.dim() == 2 and tuple(t.shape) != tuple(want):
+        hint = ""
+        if what == "scales" and all(a >= b for a, b in zip(t.shape, want)):
+            hint = " (TE padding not stripped? send scale_inv[:N, :K/32])"
+        raise WireFormatError(f"{label}: checkpoint {what} have shape {tuple(t.shape)}; expected {tuple(want)}{hint}")
+
+
+def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: Callable,
+                       shard_key: Callable[..., object], shard_info: Callable[[object, str], tuple],
+                       named_loader: bool = False) -> Callable:
+    """A loader for ``layer.<weight_param>`` that quantizes high-precision checkpoints on the grid.
+
+    ``shard_key(*args, **kwargs)`` names the shard a call writes (e.g. "q", 0, ("w1", 3)).
+    ``shard_info(key, param_name)`` gives (label for messages, expected checkpoint shape
+    [rows, K] of that shard, or None when unknown): SGLang's loaders narrow a too-large
+    tensor silently, so shapes are checked here.
+    ``named_loader``: the loader's third argument is the parameter name (MoE), which is
+    renamed to the scale's name when the scales go through it (SGLang routes by "scale").
+    """
+
+    @functools.wraps(base_loader)
+    def load_weight(param, loaded_weight, *args, **kwargs):
+        key = shard_key(*args, **kwargs)
+        label, want = shard_info(key, weight_param) if key is not SKIP else (weight_param, None)
+        if loaded_weight.dtype in HIGH_PRECISION:
+            if loaded_weight.dim() < 1 or loaded_weight.shape[-1] % F.BLOCK_SIZE:
+                raise WireFormatError(f"{label}: checkpoint shape {tuple(loaded_weight.shape)} is not on the "
+                                      f"MXFP8 grid (in_features must be a multiple of {F.BLOCK_SIZE})")
+            _check_shape(label, loaded_weight, want, "weights")
+            q, s = quantize_rows(loaded_weight)
+            note_derived_source(q, loaded_weight, "data")
+            note_derived_source(s, loaded_weight, "scale")
+            out = _call(base_loader, label, param, q, *args, **kwargs)
+            sargs, skwargs = (_scale_args(args), _scale_kwargs(kwargs)) if named_loader else (args, kwargs)
+            _call(base_loader, label + " (scales)", getattr(layer, scale_param), s, *sargs, **skwargs)
+            if key is not SKIP:
+                writes(layer)[(scale_param, key)] += 1
+        elif loaded_weight.dtype == F.FP8_DTYPE:
+            if loaded_weight.dim() < 2 or loaded_weight.shape[-1] % F.BLOCK_SIZE:
+                raise WireFormatError(f"{label}: shape {tuple(loaded_weight.shape)} is not on the MXFP8 grid "
+                                      f"(K must be a multiple of {F.BLOCK_SIZE})")
+            _check_shape(label, loaded_weight, want, "weights")
+            out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
+        else:
+            raise WireFormatError(f"{label}: checkpoint tensor has dtype {loaded_weight.dtype}; expected "
+                                  f"float8_e4m3fn (wire format) or bf16/fp16/fp32 (quantized on load)")
+        if key is not SKIP:
+            writes(layer)[(weight_param, key)] += 1
+        return out
+
+    return load_weight
+
+
+def wrap_scale_loader(layer, scale_param: str, base_loader: Callable, shard_key: Callable[..., object],
+                      shard_info: Callable[[object, str], tuple]) -> Callable:
+    @functools.wraps(base_loader)
+    def load_scale(param, loaded_weight, *args, **kwargs):
+        key = shard_key(*args, **kwargs)
+        label, want = shard_info(key, scale_param) if key is not SKIP else (scale_param, None)
+        if loaded_weight.dtype != F.SCALE_DTYPE:
+            raise WireFormatError(f"{label}: scales must be uint8 (E8M0); got {loaded_weight.dtype}")
+        if loaded_weight.dim() < 2:
+            raise WireFormatError(f"{label}: scales must be [N, K/32]; got shape {tuple(loaded_weight.shape)}")
+        if want is not None:
+            _check_shape(label, loaded_weight, (want[0], want[1] // F.BLOCK_SIZE), "scales")
+        if loaded_weight.numel() and int(loaded_weight.max()) == F.E8M0_NAN:
+            raise WireFormatError(f"{label}: holds the E8M0 NaN code 255")
+        out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
+        if key is not SKIP:
+            writes(layer)[(scale_param, key)] += 1
+        return out
+
+    return load_scale
+
+
+# FusedMoE.weight_loader takes the parameter name as its third argument and routes scales
+# by "scale" in that name: give the scale its own name when we load it ourselves.
+def _scale_args(args):
+    if args and isinstance(args[0], str):
+        return (_scale_name(args[0]),) + tuple(args[1:])
+    return args
+
+
+def _scale_kwargs(kwargs):
+    if "weight_name" in kwargs:
+        kwargs = dict(kwargs, weight_name=_scale_name(kwargs["weight_name"]))
+    return kwargs
+
+
+def _scale_name(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] + ".weight_scale_inv" if weight_name.endswith(".weight") \
+        else weight_name + "_scale_inv"
+
+
+def check_complete(layer, prefix: str, expected_shards, params: tuple[str, ...]) -> None:
+    """Raise naming every (parameter, shard) the checkpoint never wrote."""
+    w = writes(layer)
+    missing = [f"{prefix}.{p}[{s}]" if s is not None else f"{prefix}.{p}"
+               for p in params for s in expected_shards
+               if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0]
+    if missing:
+        raise WireFormatError(
+            "mxfp8-learner-grid: these on-grid tensors were never loaded from the checkpoint: "
+            + ", ".join(missing[:16]) + (" ..." if len(missing) > 16 else "")
+            + " (a pre-quantized checkpoint needs '<module>.weight_scale_inv' for every '<module>.weight')")
+
+
+def check_no_nan_scales(layer, prefix: str, params) -> None:
+    """Raise naming the first scale tensor that still holds E8M0 255 (never written, or NaN input)."""
+    for name in params:
+        t = getattr(layer, name)
+        if t.dtype == F.SCALE_DTYPE and t.numel() and bool((t == SCALE_SENTINEL).any()):
+            raise WireFormatError(f"{prefix}.{name}: holds E8M0 255 (scales never written -- the checkpoint "
+                                  "misses part of this tensor -- or a NaN/Inf block in a high-precision weight)")

@@ -1,0 +1,126 @@
+"""Fused MoE experts on the grid (Qwen3-MoE and other SiLU-gated MoE) for SGLang's FusedMoE.
+
+Layout as SGLang lays out its own experts: ``w13_weight`` [E, 2I, H] (w1 = gate rows,
+then w3 = up rows, as ``FusedMoE._load_w13`` fills it), ``w2_weight`` [E, H, I], and per-row
+E8M0 scales along K: ``w13_weight_scale_inv`` [E, 2I, H/32], ``w2_weight_scale_inv``
+[E, H, I/32], marked GROUP so ``FusedMoE.weight_loader`` shards them like the weights.
+The forward is common's ``torch.ops.mxfp8_learner_grid.moe`` (the op the vLLM plugin
+calls); there is no MoE runner.  The router (``mlp.gate``) stays off the grid: SGLang's
+Qwen3-MoE builds it without a quant config, and the default selection excludes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.wire import WireFormatError
+
+from . import compat
+from .loading import SCALE_SENTINEL, SKIP, check_complete, check_no_nan_scales, wrap_scale_loader, \
+    wrap_weight_loader, writes
+
+PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+
+
+class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
+
+    def __init__(self, quant_config, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def _check_supported(self, layer, with_bias: bool) -> None:
+        cfg = layer.moe_runner_config
+        problems = []
+        if str(getattr(cfg, "activation", "silu")).lower() != "silu" or not getattr(cfg, "is_gated", True):
+            problems.append(f"activation {cfg.activation!r} (SiLU-gated experts only)")
+        if with_bias:
+            problems.append("expert biases")
+        if getattr(cfg, "apply_router_weight_on_input", False):
+            problems.append("apply_router_weight_on_input")
+        for name in ("gemm1_alpha", "gemm1_clamp_limit", "swiglu_limit"):
+            if getattr(cfg, name, None) is not None:
+                problems.append(name)
+        if getattr(cfg, "routed_scaling_factor", None) not in (None, 1.0):
+            problems.append("routed_scaling_factor (not verified against the learner)")
+        if not compat.moe_runner_backend_ok():
+            problems.append(f"--moe-runner-backend {compat.moe_runner_backend_name()} (use auto or triton)")
+        if problems:
+            raise NotImplementedError(f"{self.prefix}: mxfp8-learner-grid MoE does not support "
+                                      + ", ".join(problems))
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        self._check_supported(layer, bool(extra_weight_attrs.pop("with_bias", False)))
+        extra_weight_attrs.pop("moe_intermediate_size", None)
+        h, i = hidden_size, intermediate_size_per_partition
+        if h % F.BLOCK_SIZE or i % F.BLOCK_SIZE:
+            raise WireFormatError(f"{self.prefix}: experts of hidden {h}, intermediate {i} per partition are not "
+                                  f"on the MXFP8 grid (multiples of {F.BLOCK_SIZE} needed after TP splitting)")
+        base_loader = extra_weight_attrs.pop("weight_loader")
+        e = num_experts
+
+        def shard_key(*args, **kwargs):
+            shard = kwargs.get("shard_id", args[1] if len(args) > 1 else None)
+            expert = kwargs.get("expert_id", args[2] if len(args) > 2 else None)
+            local = layer._map_global_expert_id_to_local_expert_id(expert)
+            return SKIP if local == -1 else (shard, local)
+
+        full_i = i * getattr(layer, "moe_tp_size", 1)
+
+        def shard_info(key, param: str):
+            shard, local = key
+            label = f"{self.prefix}.{param} (local expert {local}, {shard})"
+            if getattr(layer, "use_presharded_weights", False):
+                return label, None
+            return label, (h, full_i) if shard == "w2" else (full_i, h)
+
+        for wname, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
+            sname = wname + "_scale_inv"
+            w = torch.nn.Parameter(torch.empty(shape, dtype=F.FP8_DTYPE), requires_grad=False)
+            s = torch.nn.Parameter(torch.full((*shape[:-1], shape[-1] // F.BLOCK_SIZE), SCALE_SENTINEL,
+                                              dtype=F.SCALE_DTYPE), requires_grad=False)
+            compat.set_weight_attrs(w, extra_weight_attrs)
+            compat.set_weight_attrs(s, {**extra_weight_attrs,
+                                        "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
+            layer.register_parameter(wname, w)
+            layer.register_parameter(sname, s)
+            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, shard_key, shard_info,
+                                                named_loader=True)
+            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, shard_key, shard_info)
+        layer.grid_prefix = self.prefix
+        layer.grid_num_local_experts = e
+        writes(layer).clear()
+
+    def create_moe_runner(self, layer, moe_runner_config) -> None:
+        self.runner = None           # no MoeRunner: apply calls common's op directly
+
+    def get_moe_runner_backend(self, layer):
+        return None                  # 0.5.23: "a direct kernel consuming standard TopK with local IDs"
+
+    def process_weights_after_loading(self, layer) -> None:
+        if not getattr(layer, "grid_processed", False):
+            e = layer.grid_num_local_experts
+            for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                check_complete(layer, self.prefix, [(sh, x) for sh in shards for x in range(e)],
+                               (wname, wname + "_scale_inv"))
+        check_no_nan_scales(layer, self.prefix, PARAMS)
+        layer.grid_processed = True
+
+    def restore_weights_before_loading(self, layer) -> None:
+        """Nothing to undo: the expert parameters keep their loaded layout."""
+        return
+
+    def apply(self, layer, dispatch_output):
+        fmt = getattr(dispatch_output, "format", None)
+        if fmt is not None and not fmt.is_standard():
+            raise NotImplementedError(f"{self.prefix}: mxfp8-learner-grid MoE needs SGLang's standard dispatcher "
+                                      f"(no --moe-a2a-backend); got dispatch format {fmt}")
+        x = dispatch_output.hidden_states
+        topk_weights, topk_ids = compat.standard_topk(dispatch_output.topk_output)
+        # the standard dispatcher already maps ids to this rank's experts (-1: elsewhere)
+        out = torch.ops.mxfp8_learner_grid.moe(
+            x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+            topk_weights, topk_ids, None)
+        return compat.StandardCombineInput(hidden_states=out)

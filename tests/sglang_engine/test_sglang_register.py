@@ -1,0 +1,89 @@
+"""Registration: the entry point, SGLang's real argument parser, idempotency, loud failure, the fallback launcher.
+
+Each case runs in a fresh interpreter: registration mutates process-global tables, and
+SGLang's ``load_plugins()`` runs once per process.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sgl_env import sglang_installed  # noqa: E402
+
+if not sglang_installed():
+    pytest.skip("SGLang is not installed (tests/sglang_engine run in .venv-sglang)", allow_module_level=True)
+
+NAME = "mxfp8-learner-grid"
+EP = "mxfp8_learner_grid"
+
+
+def run(code: str, plugins: str = EP, args=(), module=None, timeout=300):
+    env = dict(os.environ, SGLANG_PLUGINS=plugins, SGLANG_NCCL_SO_PATH="/nonexistent")
+    cmd = [sys.executable, "-m", module, *args] if module else [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get(EP) == "mxfp8_learner_grid.sglang_plugin.register:register"
+
+
+def test_load_plugins_registers_once_and_the_real_parser_accepts_it():
+    r = run(f"""
+        from sglang.srt.plugins import load_plugins
+        load_plugins(); load_plugins()
+        from mxfp8_learner_grid.sglang_plugin import compat
+        from mxfp8_learner_grid.sglang_plugin.register import is_registered, register
+        from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
+        assert is_registered()
+        register(); register()                       # idempotent
+        assert compat.QUANTIZATION_CHOICES.count({NAME!r}) == 1, compat.QUANTIZATION_CHOICES
+        import sglang.srt.layers.quantization as q
+        assert q.QUANTIZATION_METHODS[{NAME!r}] is LearnerGridConfig
+        assert q.CPU_QUANTIZATION_METHODS[{NAME!r}] is LearnerGridConfig
+        assert q.get_quantization_config({NAME!r}) is LearnerGridConfig
+        import torch; assert not torch.cuda.is_initialized()   # registration never touches CUDA
+        from sglang.srt.server_args import prepare_server_args
+        args = prepare_server_args(["--model-path", "dummy", "--quantization", {NAME!r}])
+        assert args.quantization == {NAME!r}, args.quantization
+        print("OK")
+    """)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def test_parser_rejects_the_name_without_the_plugin():
+    r = run(f"""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+        prepare_server_args(["--model-path", "dummy", "--quantization", {NAME!r}])
+        print("ACCEPTED")
+    """, plugins="some_other_plugin")
+    assert r.returncode == 2 and "ACCEPTED" not in r.stdout and "invalid choice" in r.stderr, r.stderr[-3000:]
+
+
+def test_registration_failure_stops_the_process_through_load_plugins():
+    r = run("""
+        import mxfp8_learner_grid.sglang_plugin.compat as compat
+        def broken():
+            raise RuntimeError("simulated incompatibility")
+        compat.check_version = broken
+        from sglang.srt.plugins import load_plugins
+        load_plugins()                               # catches Exception from plugins; not ours
+        print("SERVING ANYWAY")
+    """)
+    assert r.returncode != 0 and "SERVING ANYWAY" not in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "mxfp8-learner-grid could not register" in r.stderr and "simulated incompatibility" in r.stderr
+    assert "SGLANG_PLUGINS" in r.stderr
+
+
+def test_fallback_launcher_registers_then_delegates():
+    # the entry point is excluded: only the launcher can have added the choice that --help lists
+    r = run("", plugins="some_other_plugin", module="mxfp8_learner_grid.sglang_plugin.launch_server",
+            args=["--help"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--quantization" in r.stdout and NAME in r.stdout
