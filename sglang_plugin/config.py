@@ -34,14 +34,12 @@ from typing import Any, Optional
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.options import GridOptions
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.wire import QUANT_METHOD
 
 from . import compat
 
-KNOWN_KEYS = {"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
-              "activation_scheme", "checkpoint_format", "producer"}
 #: keys SGLang's loader adds to the checkpoint's quantization_config before from_config
 INJECTED_KEYS = {"packed_modules_mapping", "hf_config", "requantization_method"}
 #: SGLang's fused layers of Llama/Qwen-like models, for when the model passes no mapping
@@ -53,11 +51,8 @@ class LearnerGridConfig(compat.QuantizationConfig):
     def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
                  raw: Optional[dict[str, Any]] = None):
         super().__init__()
-        if kv_cache_scales not in ("optional", "required"):
-            raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {kv_cache_scales!r}")
-        self.selection = selection or ModuleSelection()
-        self.kv_cache_scales = kv_cache_scales
-        self.raw = dict(raw or {})
+        self.options = GridOptions(selection or ModuleSelection(), kv_cache_scales, raw=dict(raw or {}))
+        self.selection, self.kv_cache_scales, self.raw = self.options.selection, kv_cache_scales, self.options.raw
 
     def __repr__(self) -> str:
         return f"LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
@@ -81,22 +76,11 @@ class LearnerGridConfig(compat.QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LearnerGridConfig":
         config = dict(config or {})
-        packed = config.pop("packed_modules_mapping", None)
-        for key in INJECTED_KEYS:
-            config.pop(key, None)
-        method = config.get("quant_method", QUANT_METHOD)
-        if method != QUANT_METHOD:
-            raise ValueError(f"quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}")
-        unknown = set(config) - KNOWN_KEYS
-        if unknown:
-            raise ValueError(f"{QUANT_METHOD}: unknown quantization_config keys {sorted(unknown)}; "
-                             f"known: {sorted(KNOWN_KEYS)}")
-        if config.get("fmt", "e4m3") != "e4m3" or int(config.get("block_size", F.BLOCK_SIZE)) != F.BLOCK_SIZE \
-                or config.get("scale_format", "e8m0") != "e8m0":
-            raise ValueError(f"{QUANT_METHOD}: only E4M3 data with E8M0 scales per {F.BLOCK_SIZE} values is "
-                             f"the learner's grid; got {config}")
-        out = cls(ModuleSelection.from_dict(config.get("modules")), config.get("kv_cache_scales", "optional"),
-                  raw=config)
+        packed = config.get("packed_modules_mapping")
+        opts = GridOptions.from_dict(config, ignore=INJECTED_KEYS)
+        if opts.emulate is not None:
+            raise ValueError(f"{QUANT_METHOD}: 'emulate' (the consistency study's other grids) is vLLM-only")
+        out = cls(opts.selection, opts.kv_cache_scales, raw=opts.raw)
         if packed:
             out.packed_modules_mapping = dict(packed)
         return out
@@ -130,11 +114,4 @@ class LearnerGridConfig(compat.QuantizationConfig):
         return (self.packed_modules_mapping or {}).get(last) or DEFAULT_PACKED.get(last)
 
     def on_grid(self, prefix: str) -> bool:
-        head = prefix.rpartition(".")[0]
-        shards = self.checkpoint_shards(prefix)
-        try:
-            if not shards:
-                return self.selection.matches(prefix)
-            return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
-        except ValueError as exc:
-            raise ValueError(f"{QUANT_METHOD}: {exc}") from None
+        return self.options.on_grid(prefix, self.checkpoint_shards(prefix))

@@ -19,11 +19,11 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, check_complete, check_no_nan_scales, wrap_scale_loader,
+                                               wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 from . import compat
-from .loading import SCALE_SENTINEL, check_complete, check_no_nan_scales, wrap_scale_loader, wrap_weight_loader, \
-    writes
 
 PARAMS = ("weight", "weight_scale_inv")
 

@@ -1,21 +1,23 @@
-"""Loading weights onto the grid inside SGLang's own loaders.
+"""Loading weights onto the grid inside an engine's own loaders (vLLM and SGLang alike).
 
 Every on-grid layer has two parameters per weight: ``<w>`` (float8_e4m3fn, the learner's
-rowwise data) and ``<w>_scale_inv`` (uint8 E8M0, [rows, K/32]).  Both load through
-SGLang's own weight loader for the layer (so TP narrowing, q/k/v and gate/up offsets,
-expert ids are SGLang's), wrapped to:
+rowwise data) and ``<w>_scale_inv`` (uint8 E8M0, [rows, K/32]).  Both load through the
+engine's own weight loader for the layer (so TP narrowing, q/k/v and gate/up offsets,
+expert ids are the engine's), wrapped to:
 
 * take a BF16/FP16/FP32 checkpoint tensor, quantize it rowwise on the grid (TE-exact,
   ``common.quantize_rows``; rows are independent and TP splits K at multiples of 32, so
-  quantizing the whole tensor then letting SGLang narrow it gives the learner's bytes)
+  quantizing the whole tensor then letting the engine narrow it gives the learner's bytes)
   and load data and scales through the same loader;
 * take an FP8 tensor (a pre-quantized wire-format checkpoint) as the learner's bytes:
   copied, never re-quantized;
 * count every write per (parameter, shard) so that ``process_weights_after_loading`` can
   name anything the checkpoint never provided.
 
-Engine-agnostic apart from the loader signatures, which SGLang shares with vLLM: this is
-the same logic as ``vllm_plugin/loading.py`` (a candidate for ``common/``).
+The engines' loader signatures agree (``loader(param, tensor, *shard args)``); what differs
+is passed in: ``shard_key`` (which shard a call writes) and ``shard_info`` (a label for
+messages and, where the engine knows it, the shard's expected checkpoint shape -- loaders
+that narrow an oversized tensor silently need that check).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from mxfp8_learner_grid.common.wire import WireFormatError
 
 SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
-SKIP = object()         # shard_key result for a write SGLang's loader drops (expert of another rank)
+SKIP = object()         # shard_key result for a write the engine's loader drops (expert of another rank)
 ALL_SHARDS = None       # shard key of a write that covers every shard (fused on disk)
 
 
@@ -45,7 +47,7 @@ def writes(layer) -> Counter:
 
 
 def _call(base_loader, name: str, param, loaded, *args, **kwargs):
-    """SGLang's loader, with its bare assertion / shape errors turned into one that names the tensor."""
+    """The engine's loader, with its bare assertion / shape errors turned into one that names the tensor."""
     try:
         return base_loader(param, loaded, *args, **kwargs)
     except WireFormatError:
@@ -71,10 +73,10 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
 
     ``shard_key(*args, **kwargs)`` names the shard a call writes (e.g. "q", 0, ("w1", 3)).
     ``shard_info(key, param_name)`` gives (label for messages, expected checkpoint shape
-    [rows, K] of that shard, or None when unknown): SGLang's loaders narrow a too-large
+    [rows, K] of that shard, or None when unknown): some loaders (SGLang's) narrow a too-large
     tensor silently, so shapes are checked here.
     ``named_loader``: the loader's third argument is the parameter name (MoE), which is
-    renamed to the scale's name when the scales go through it (SGLang routes by "scale").
+    renamed to the scale's name when the scales go through it (the MoE loaders route by "scale").
     """
 
     @functools.wraps(base_loader)
@@ -171,3 +173,8 @@ def check_no_nan_scales(layer, prefix: str, params) -> None:
         if t.dtype == F.SCALE_DTYPE and t.numel() and bool((t == SCALE_SENTINEL).any()):
             raise WireFormatError(f"{prefix}.{name}: holds E8M0 255 (scales never written -- the checkpoint "
                                   "misses part of this tensor -- or a NaN/Inf block in a high-precision weight)")
+
+
+def labels_only(prefix: str) -> Callable[[object, str], tuple]:
+    """A ``shard_info`` that names tensors ``<prefix>.<param>`` and checks no expected shape."""
+    return lambda key, param: (f"{prefix}.{param}", None)

@@ -1,0 +1,69 @@
+"""The plugin options both engines read from ``quantization_config``: one parser, one set of rules.
+
+Keys (all optional)::
+
+    quant_method: mxfp8-learner-grid
+    modules: {include: [...], exclude: [...], layers: [...]}   # common.selection
+    kv_cache_scales: optional | required
+    emulate: fp8_per_tensor | fp8_block128                      # vLLM, consistency study only
+    fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
+    wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from . import format as F
+from .selection import ModuleSelection
+from .wire import QUANT_METHOD
+
+KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
+                        "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate"})
+KV_CACHE_SCALES = ("optional", "required")
+
+
+@dataclass
+class GridOptions:
+    selection: ModuleSelection = field(default_factory=ModuleSelection)
+    kv_cache_scales: str = "optional"
+    emulate: Optional[str] = None
+    raw: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {self.kv_cache_scales!r}")
+        if self.emulate is not None:
+            from .emulation import SCHEMES
+            if self.emulate not in SCHEMES:
+                raise ValueError(f"emulate must be one of {SCHEMES}; got {self.emulate!r}")
+
+    @classmethod
+    def from_dict(cls, config: Optional[dict[str, Any]], ignore: Iterable[str] = ()) -> "GridOptions":
+        """Validate a ``quantization_config`` dict (keys in ``ignore`` are dropped first)."""
+        config = {k: v for k, v in dict(config or {}).items() if k not in set(ignore)}
+        method = config.get("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}")
+        unknown = set(config) - KNOWN_KEYS
+        if unknown:
+            raise ValueError(f"{QUANT_METHOD}: unknown quantization_config keys {sorted(unknown)}; "
+                             f"known: {sorted(KNOWN_KEYS)}")
+        if config.get("fmt", "e4m3") != "e4m3" or int(config.get("block_size", F.BLOCK_SIZE)) != F.BLOCK_SIZE \
+                or config.get("scale_format", "e8m0") != "e8m0":
+            raise ValueError(f"{QUANT_METHOD}: only E4M3 data with E8M0 scales per {F.BLOCK_SIZE} values is "
+                             f"the learner's grid; got {config}")
+        return cls(ModuleSelection.from_dict(config.get("modules")), config.get("kv_cache_scales", "optional"),
+                   config.get("emulate"), config)
+
+    def on_grid(self, prefix: str, shards: Optional[Iterable[str]] = None) -> bool:
+        """Is the engine module ``prefix`` on the grid?  ``shards``: the checkpoint modules a fused
+        engine module is made of (q/k/v_proj of qkv_proj); a selection that splits one is an error."""
+        head = prefix.rpartition(".")[0]
+        try:
+            if not shards:
+                return self.selection.matches(prefix)
+            return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
+        except ValueError as exc:
+            raise ValueError(f"{QUANT_METHOD}: {exc}") from None
