@@ -1,0 +1,263 @@
+"""SGLang side of an in-place weight update: the EngineAdapter over one TP rank's model.
+
+The mirror of ``vllm_plugin/sync_adapter.py``.  SGLang's own loader (the model's
+``load_weights``: q/k/v and gate/up fusing, TP narrowing, expert ids) writes; this adapter
+tells the session what SGLang's layout *should* have done with each tensor -- computed from
+the layer's own metadata (head counts, output sizes, TP rank, expert map), independently of
+the loader -- and which shards each on-grid layer must have received exactly once.
+
+Derived state: none.  The plugin's linear and MoE methods read ``weight`` /
+``weight_scale_inv`` as loaded (no swizzle, no repack, no dequantized copy), so the derived
+registry stays empty and ``restore_weights_before_loading`` has nothing to undo.  The only
+copies besides the parameters are the KV-cache method's host floats ``k_scale_float`` /
+``v_scale_float``: :meth:`set_kv_scales` writes them with the tensors, and
+:meth:`kv_scale_values` reports the floats (what attention backends read), so a stale copy
+fails cache_coherence.
+
+SGLang versions: 0.5.17's linear layers keep ``tp_rank`` / ``tp_size``; 0.5.23's keep
+``tp_group`` / ``kv_tp_group`` (``_tp`` reads either).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Optional
+
+import torch
+
+from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.loading import ALL_SHARDS, writes
+from mxfp8_learner_grid.common.selection import ModuleSelection
+from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
+from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
+from mxfp8_learner_grid.common.sync.session import EngineAdapter
+
+_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+_MERGED = ("gate_proj", "up_proj")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+_KV_PARAMS = ("k_scale", "v_scale")
+
+
+def _tp(layer, kv: bool = False) -> tuple[int, int]:
+    """(rank, size) of a linear layer's TP (or KV-head) group, in 0.5.17 and 0.5.23."""
+    if hasattr(layer, "tp_rank"):                                  # 0.5.17
+        return int(layer.tp_rank), int(layer.tp_size)
+    from sglang.srt.distributed.utils import get_group_rank_size   # 0.5.23
+    group = getattr(layer, "kv_tp_group", None) if kv else None
+    return get_group_rank_size(group if group is not None else getattr(layer, "tp_group", None))
+
+
+class SGLangAdapter(EngineAdapter):
+
+    def __init__(self, model: torch.nn.Module, rank: int = 0, hf_config=None, quant_config=None):
+        self._model = model
+        self.rank = rank
+        self.version = 0
+        self.hf_config = hf_config if hf_config is not None else model.config
+        self.quant_config = quant_config if quant_config is not None else getattr(model, "quant_config", None)
+        self.registry = DerivedRegistry()          # stays empty: nothing is derived (module docstring)
+        self.partial = False
+        self.faults: set[str] = set()
+        self._sig = None
+        self._loads = 0
+
+    # -- basics -------------------------------------------------------------------------
+    def model(self):
+        return self._model
+
+    def load(self, named):
+        named = list(named)
+        if "crash_midway" in self.faults and self._loads >= 1:
+            raise RuntimeError("injected fault: the transport died halfway through the update")
+        self._loads += 1
+        if "swap_kv" in self.faults:          # a loader that puts k where v goes (wrong fused-shard offset)
+            named = [(n.replace("layers.0.self_attn.k_proj", "@").replace("layers.0.self_attn.v_proj",
+                      "layers.0.self_attn.k_proj").replace("@", "layers.0.self_attn.v_proj"), t) for n, t in named]
+        if "duplicate_shard" in self.faults:  # v loaded into the k shard: counts look complete, v never written
+            named = [(n.replace("layers.0.self_attn.v_proj", "layers.0.self_attn.k_proj"), t) for n, t in named]
+        if "skip_expert" in self.faults:      # a loader that drops one expert
+            named = [(n, t) for n, t in named if ".experts.1." not in n]
+        # the class's loader: an open grid update shadows the instance's (sglang_plugin/updater.py)
+        type(self._model).load_weights(self._model, named)
+
+    def grid_layers(self):
+        from .linear_method import LearnerGridLinearMethod
+        from .moe_method import LearnerGridMoEMethod
+        for name, m in self._model.named_modules():
+            if isinstance(getattr(m, "quant_method", None), (LearnerGridLinearMethod, LearnerGridMoEMethod)):
+                yield name, m
+
+    def signature(self):
+        if self._sig is None:
+            from .config import LearnerGridConfig
+            qc = self.quant_config
+            # a model without the grid (a BF16 control sampler) takes plain tensors only
+            selection = qc.selection if isinstance(qc, LearnerGridConfig) else ModuleSelection(include=[])
+            sig = checkpoint_signature(self.hf_config, selection)
+            dtype = self._plain_dtype()
+            self._sig = (sig, {n: dtype for n, (_, g) in sig.items() if not g}, set())
+        return self._sig
+
+    def _plain_dtype(self) -> torch.dtype:
+        """The dtype SGLang holds the high-precision tensors in (embeddings, norms, lm_head, router)."""
+        counts = Counter(p.dtype for n, p in self._model.named_parameters()
+                         if p.dtype in (torch.bfloat16, torch.float16, torch.float32) and not n.endswith(_KV_PARAMS))
+        return counts.most_common(1)[0][0] if counts else torch.get_default_dtype()
+
+    def begin(self):
+        self._loads = 0
+        for _, layer in self.grid_layers():
+            writes(layer).clear()
+
+    def after_load(self):
+        """Re-run the plugin's own post-processing (checks only: no scale may hold E8M0 255; the KV
+        method refreshes its floats).  SGLang's other modules are left to SGLang: 0.5.23's
+        ``end_weight_update`` post-processes every module, 0.5.17 runs nothing after an update."""
+        from .kv_cache import LearnerGridKVCacheMethod
+        from .linear_method import LearnerGridLinearMethod
+        from .moe_method import LearnerGridMoEMethod
+        if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
+            layer = next(iter(self.grid_layers()))[1]
+            name = "weight" if hasattr(layer, "weight") else "w13_weight"
+            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
+        ours = (LearnerGridLinearMethod, LearnerGridMoEMethod, LearnerGridKVCacheMethod)
+        for _, m in self._model.named_modules():
+            qm = getattr(m, "quant_method", None)
+            if isinstance(qm, ours):
+                qm.process_weights_after_loading(m)
+
+    def derived(self):
+        return self.registry
+
+    # -- completeness -----------------------------------------------------------------------
+    def scope(self, touched):
+        params = dict(self._model.named_parameters())
+        if self.partial:
+            return {n: params[n] for n in touched if n in params}
+        return {n: p for n, p in params.items() if not n.endswith(_KV_PARAMS)}
+
+    def grid_accounting(self):
+        problems = []
+        for prefix, layer in self.grid_layers():
+            w = writes(layer)
+            problems += [f"{prefix}.{param}[{shard}]: written {n} times" for (param, shard), n in w.items() if n > 1]
+            if self.partial:
+                continue
+            expected = getattr(layer, "grid_expected_shards", None)
+            if expected is not None:                              # dense
+                for p in ("weight", "weight_scale_inv"):
+                    problems += [f"{prefix}.{p}[{s}]: never written" for s in expected
+                                 if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0]
+            else:                                                 # MoE
+                e = layer.grid_num_local_experts
+                for p, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                    for q in (p, p + "_scale_inv"):
+                        problems += [f"{prefix}.{q}[{s}, expert {x}]: never written"
+                                     for s in shards for x in range(e) if w.get((q, (s, x)), 0) == 0]
+        return problems
+
+    # -- layout: what SGLang's loader must have done -----------------------------------------
+    def expected_boxes(self, w):
+        if w.role not in ("data", "scale") or w.dest_box is None:
+            return None
+        mod_name, _, _ = w.param.rpartition(".")
+        try:
+            layer = self._model.get_submodule(mod_name)
+        except AttributeError:
+            return None
+        div = F.BLOCK_SIZE if w.role == "scale" else 1
+        m = _EXPERT.search("." + w.source)
+        if m is not None and hasattr(layer, "grid_num_local_experts"):
+            return self._expert_boxes(layer, int(m.group(1)), m.group(2), div)
+        if not hasattr(layer, "grid_expected_shards"):
+            return None
+        return self._dense_boxes(layer, w.source, div)
+
+    def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
+        from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+        n, kk = layer.weight.shape
+        k = kk // div
+        short = source.rsplit(".", 2)[-2]
+        if isinstance(layer, QKVParallelLinear):
+            shard = _QKV.get(short)
+            if shard is None:
+                return None
+            q = layer.num_heads * layer.head_size
+            kv = layer.num_kv_heads * layer.head_size
+            v = layer.num_kv_heads * getattr(layer, "v_head_size", layer.head_size)
+            off, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, v)}[shard]
+            r = _tp(layer)[0] if shard == "q" else _tp(layer, kv=True)[0] // layer.num_kv_head_replicas
+            return ((r * size, size), (0, k)), ((off, size), (0, k))
+        if isinstance(layer, MergedColumnParallelLinear):
+            if short not in _MERGED:
+                return None
+            i = _MERGED.index(short)
+            rank, size = _tp(layer)
+            local = [s // size for s in layer.output_sizes]
+            return ((rank * local[i], local[i]), (0, k)), ((sum(local[:i]), local[i]), (0, k))
+        if isinstance(layer, RowParallelLinear):
+            return ((0, n), (_tp(layer)[0] * k, k)), ((0, n), (0, k))
+        return ((0, n), (0, k)), ((0, n), (0, k))
+
+    def _expert_boxes(self, layer, expert: int, proj: str, div: int):
+        local = layer._map_global_expert_id_to_local_expert_id(expert)
+        if local < 0:
+            return None
+        tp_rank = int(getattr(layer, "moe_tp_rank", 0))
+        if proj == "down_proj":                                   # w2 [E, H, I]: K (= I) split by TP
+            _, h, i = layer.w2_weight.shape
+            ik = i // div
+            return ((0, h), (tp_rank * ik, ik)), ((local, 1), (0, h), (0, ik))
+        _, two_i, h = layer.w13_weight.shape                      # w13 [E, 2I, H] = [w1 = gate; w3 = up]
+        i, hk = two_i // 2, h // div
+        off = 0 if proj == "gate_proj" else i
+        return ((tp_rank * i, i), (0, hk)), ((local, 1), (off, i), (0, hk))
+
+    # -- KV scales -------------------------------------------------------------------------
+    def _attn_layers(self) -> dict:
+        from .kv_cache import LearnerGridKVCacheMethod
+        return {int(m.layer_id): m for _, m in self._model.named_modules()
+                if isinstance(getattr(m, "quant_method", None), LearnerGridKVCacheMethod)
+                and isinstance(getattr(m, "k_scale", None), torch.Tensor)}
+
+    def set_kv_scales(self, scales):
+        if "skip_kv" in self.faults:
+            return []
+        problems = []
+        layers = self._attn_layers()
+        for key, (k, v) in scales.items():
+            m = layers.get(int(key))
+            if m is None:
+                problems.append(f"layer {key}: no attention layer with KV-cache scales")
+                continue
+            self._write_kv(m, float(k), float(v))
+        return problems
+
+    @staticmethod
+    def _write_kv(m, k: float, v: float) -> None:
+        with torch.no_grad():                    # in place: captured graphs keep reading the same tensors
+            m.k_scale.fill_(k)
+            m.v_scale.fill_(v)
+        m.k_scale_float, m.v_scale_float = k, v  # what the attention backends read (SGLang's KV method sets them)
+
+    def kv_scale_values(self):
+        return {i: (float(getattr(m, "k_scale_float", m.k_scale)), float(getattr(m, "v_scale_float", m.v_scale)))
+                for i, m in self._attn_layers().items()}
+
+    def kv_snapshot(self) -> dict:
+        return {i: (float(m.k_scale), float(m.v_scale), getattr(m, "k_scale_float", None),
+                    getattr(m, "v_scale_float", None)) for i, m in self._attn_layers().items()}
+
+    def restore_kv(self, snap: dict) -> None:
+        """Put KV scales back (the session's rollback covers parameters written by the loader only)."""
+        layers = self._attn_layers()
+        for i, (k, v, kf, vf) in snap.items():
+            m = layers.get(i)
+            if m is None:
+                continue
+            with torch.no_grad():
+                m.k_scale.fill_(k)
+                m.v_scale.fill_(v)
+            if kf is not None:
+                m.k_scale_float, m.v_scale_float = kf, vf
