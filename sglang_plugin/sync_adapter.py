@@ -244,20 +244,3 @@ class SGLangAdapter(EngineAdapter):
     def kv_scale_values(self):
         return {i: (float(getattr(m, "k_scale_float", m.k_scale)), float(getattr(m, "v_scale_float", m.v_scale)))
                 for i, m in self._attn_layers().items()}
-
-    def kv_snapshot(self) -> dict:
-        return {i: (float(m.k_scale), float(m.v_scale), getattr(m, "k_scale_float", None),
-                    getattr(m, "v_scale_float", None)) for i, m in self._attn_layers().items()}
-
-    def restore_kv(self, snap: dict) -> None:
-        """Put KV scales back (the session's rollback covers parameters written by the loader only)."""
-        layers = self._attn_layers()
-        for i, (k, v, kf, vf) in snap.items():
-            m = layers.get(i)
-            if m is None:
-                continue
-            with torch.no_grad():
-                m.k_scale.fill_(k)
-                m.v_scale.fill_(v)
-            if kf is not None:
-                m.k_scale_float, m.v_scale_float = kf, vf

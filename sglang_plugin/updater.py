@@ -77,14 +77,6 @@ def _sglang_weight_version():
         return None
 
 
-def _own_storage(items: list) -> list:
-    """Every tensor in a storage of its own.  common's WriteRecorder attributes a write to the learner
-    tensor by *storage*; views into one storage (experts sliced from a fused [E, 2I, H] parameter, as
-    transformers 5 keeps them) would all be attributed to the last one registered.  Views are copied."""
-    return [(n, t if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-             else t.clone()) for n, t in items]
-
-
 class GridWorker:
     """The grid_* methods on one TP rank (see vllm_plugin/worker.py for the same surface)."""
 
@@ -95,7 +87,6 @@ class GridWorker:
         self.open = False                   # a begun update not yet committed or aborted
         self.received: list[str] = []       # names SGLang's own update paths loaded (shadowed loader)
         self.load_error: BaseException | None = None
-        self._kv_before: dict = {}
 
     # -- the shadowed loader ----------------------------------------------------------------
     def _shadow(self, on: bool) -> None:
@@ -106,7 +97,7 @@ class GridWorker:
             del model.load_weights
 
     def _shadowed_load(self, weights, *args, **kwargs):
-        items = _own_storage(list(weights))
+        items = list(weights)
         self.received += [n for n, _ in items]
         if self.load_error is not None:
             return                          # this update already failed (and was rolled back)
@@ -134,7 +125,6 @@ class GridWorker:
             self.grid_update_abort()
         ad.partial = manifest.partial
         self.received, self.load_error = [], None
-        self._kv_before = ad.kv_snapshot()
         self.session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                      digest=opts.get("digest", "sampled"),
                                      fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))
@@ -149,7 +139,7 @@ class GridWorker:
             names = [n for n, _ in tensors]
             if names != list(src.get("names", names)):
                 raise UpdateRejected(f"bucket arrived garbled: {len(names)} tensors, {len(src['names'])} announced")
-            s.load(_own_storage(tensors))
+            s.load(list(tensors))
             return {"rank": self.adapter.rank, "tensors": len(names)}
         if src.get("kind") == "loaded":                 # it came through SGLang's own update path
             got, self.received = self.received, []
@@ -165,15 +155,11 @@ class GridWorker:
     def grid_update_finish(self) -> dict:
         s = self._require_session()
         r = s.finish()
-        if r.rolled_back:
-            self.adapter.restore_kv(self._kv_before)
         return dataclasses.asdict(r)
 
     def grid_update_commit(self, accept: str = "1") -> dict:
         s, ad = self._require_session(), self.adapter
         ok = s.commit(accept in ("1", "true", "True"))
-        if not ok:
-            ad.restore_kv(self._kv_before)
         self._close()
         if ok and "skip_version" in ad.faults and ad.rank == self.world - 1:
             ad.version = s.manifest.version - 1         # injected: this rank serves the old version number
@@ -183,7 +169,6 @@ class GridWorker:
         check = None
         if self.session is not None and self.open:
             check = dataclasses.asdict(self.session.abort())
-            self.adapter.restore_kv(self._kv_before)
         self._close()
         return {"rank": self.adapter.rank, "version": self.adapter.version, "check": check}
 

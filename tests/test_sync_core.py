@@ -235,3 +235,60 @@ def test_client_pushes_nccl_buckets_while_the_engine_receives():
     # a NaN tensor: received, then refused by the session; the engine keeps version 5's bytes
     rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=6)
     assert not rep.applied and "NaN" in (rep.error or "") and torch.equal(ad.m.weight.data, w) and ad.version == 5
+
+
+def test_sources_that_share_a_storage_keep_their_names():
+    """transformers 5 exports fused experts as slices of one tensor; CUDA IPC rebuilds slices of
+    one buffer: each slice is its own learner tensor, and writes from it are attributed to it."""
+    fused = torch.randn(2, 8, 32)
+    p = torch.zeros(2, 8, 32)
+    rec = WriteRecorder({"p": p}, backup=False)
+    rec.add_source(fused[0], "experts.0.w", "plain")
+    rec.add_source(fused[1], "experts.1.w", "plain")
+    with rec:
+        p[1].copy_(fused[1])
+        p[0].copy_(fused[0])
+        p[0, :4].copy_(fused[0, 4:])            # a sub-box of expert 0's tensor
+    assert [(w.source, w.dest_box, w.src_box) for w in rec.writes] == [      # boxes: (start, length) per dim
+        ("experts.1.w", ((1, 1), (0, 8), (0, 32)), ((0, 8), (0, 32))),
+        ("experts.0.w", ((0, 1), (0, 8), (0, 32)), ((0, 8), (0, 32))),
+        ("experts.0.w", ((0, 1), (0, 4), (0, 32)), ((4, 4), (0, 32)))]
+
+
+def test_kv_scales_roll_back_with_the_weights():
+    class KVAdapter(TinyAdapter):
+        def __init__(self):
+            super().__init__()
+            self.kv = {0: (1.0, 2.0)}
+
+        def set_kv_scales(self, scales):
+            for k, (a, b) in scales.items():
+                self.kv[int(k)] = (float(a), float(b))
+            return []
+
+        def kv_scale_values(self):
+            return dict(self.kv)
+    ad = KVAdapter()
+    w = torch.randn(64, 96)
+    m = Manifest.of({"weight": w}, 1, "bf16", kv_scales={"0": [0.5, 0.25]})
+    s = UpdateSession(ad, m)
+    s.load([("weight", w)])
+    rep = s.finish()
+    assert not rep.failed() and ad.kv[0] == (0.5, 0.25)
+    assert not s.commit(False)                    # the client rejects it: weights and KV scales roll back
+    assert ad.kv[0] == (1.0, 2.0) and torch.equal(ad.m.weight.data, torch.zeros(64, 96))
+
+
+def test_a_failure_after_the_commit_reports_the_update_applied():
+    from mxfp8_learner_grid.common.sync.client import GridSyncClient
+    ad = TinyAdapter()
+    ad.version = 0
+    t = _OneRankTransport(ad)
+
+    def broken_flush():
+        raise RuntimeError("flush_cache refused")
+    t.reset_prefix_cache = broken_flush
+    w = torch.randn(64, 96)
+    rep = GridSyncClient(t).update_weights({"weight": w}, format="bf16", version=3)
+    assert rep.applied and not rep.rolled_back and not rep.ok and ad.version == 3
+    assert "cache_coherence" in rep.failed() and torch.equal(ad.m.weight.data, w)

@@ -54,7 +54,7 @@ class GridWorkerExtension:
         ad._loads = 0
         prev = getattr(self, "_grid_session", None)
         if prev is not None and not prev.finished:
-            prev.commit(False)
+            prev.abort()                      # a session the client never finished: roll it back
         self._grid_session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                            digest=opts.get("digest", "sampled"),
                                            fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))

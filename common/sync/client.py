@@ -91,6 +91,7 @@ class GridSyncClient:
             self.t.cached_tokens(self.cache_probe_prompt)             # put the probe prefix in the cache
         self.t.pause()
         paused = True
+        committed = False
         try:
             t0 = time.perf_counter()
             self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
@@ -117,6 +118,7 @@ class GridSyncClient:
             accept = report.error is None and not report.failed()
             commits = self.t.rpc("grid_update_commit", "1" if accept else "0")
             report.applied = accept and all(c["applied"] for c in commits)
+            committed = report.applied
             report.rolled_back = not report.applied
             report.checks.append(self._versions(version if report.applied else self.version))
             if report.applied:
@@ -130,14 +132,19 @@ class GridSyncClient:
                 report.checks.append(self._logprob_probe())
         except Exception as exc:
             try:
-                if paused:
+                if paused and not committed:
                     for r in self.t.rpc("grid_update_abort"):
                         if r.get("check"):
                             report.checks.append(CheckResult(**r["check"]))
             finally:
                 report.error = f"{type(exc).__name__}: {exc}"
-                report.applied, report.rolled_back = False, backup_mode(self.backup) != ""
-                report.checks += _classify_rejection(str(exc))
+                if committed:             # the new weights serve; what failed came after (flush, probe)
+                    report.applied, report.rolled_back = True, False
+                    report.checks.append(CheckResult("cache_coherence", False,
+                                                     [f"after the commit: {type(exc).__name__}: {exc}"]))
+                else:
+                    report.applied, report.rolled_back = False, backup_mode(self.backup) != ""
+                    report.checks += _classify_rejection(str(exc))
                 report.checks.append(self._versions(self.version))
         finally:
             if paused:

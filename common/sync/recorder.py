@@ -71,6 +71,15 @@ class _Source:
     role: str
     base_shape: tuple
     base_offset: int
+    end: int = 0              # one past the last storage element the source covers
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) storage elements a (strided) tensor touches."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return t.storage_offset(), hi + 1
 
 
 def _nan_codes(t: torch.Tensor) -> bool:
@@ -95,14 +104,29 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
 
     # -- sources ---------------------------------------------------------------------
     def add_source(self, t: torch.Tensor, name: str, role: str) -> None:
-        """Register a tensor whose copies into the model belong to learner tensor ``name``."""
-        self._sources[t.untyped_storage().data_ptr()] = _Source(name, role, tuple(t.shape), t.storage_offset())
+        """Register a tensor whose copies into the model belong to learner tensor ``name``.
+
+        Sources are keyed by storage *and* element range: several learner tensors can be views
+        of one storage (transformers' fused experts exported per expert, CUDA IPC handles of
+        slices of one buffer), and each keeps its own name."""
+        lo, hi = _extent(t)
+        lst = self._sources.setdefault(t.untyped_storage().data_ptr(), [])
+        lst[:] = [x for x in lst if not (x.base_offset == lo and x.end == hi)]
+        lst.append(_Source(name, role, tuple(t.shape), lo, hi))
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
+        """The registered source whose element range contains ``t``'s (the innermost, if nested)."""
         try:
-            return self._sources.get(t.untyped_storage().data_ptr())
+            lst = self._sources.get(t.untyped_storage().data_ptr())
         except Exception:
             return None
+        if not lst:
+            return None
+        lo, hi = _extent(t)
+        inside = [x for x in lst if x.base_offset <= lo and hi <= max(x.end, x.base_offset + 1)]
+        if not inside:
+            return None
+        return min(inside, key=lambda x: x.end - x.base_offset)
 
     # -- dispatch ------------------------------------------------------------------
     def _param_of(self, t: torch.Tensor):

@@ -111,6 +111,9 @@ class UpdateSession:
         self.dead = False
         self.rollback_problems: list[str] = []
         self.finished = False
+        # the KV scales an update will overwrite, so that a rollback restores them too
+        self.kv_before = {str(i): list(v) for i, v in adapter.kv_scale_values().items()} if manifest.kv_scales \
+            else {}
         adapter.begin()
         self.timings = {"begin_s": _now() - t0, "load_s": 0.0}
 
@@ -152,6 +155,8 @@ class UpdateSession:
         """Previous bytes back into the original storage, derived state rebuilt from them, original
         parameter objects back in their modules; then verify the bytes are the old ones."""
         restored = self.recorder.rollback()
+        if self.kv_before:
+            self.adapter.set_kv_scales(self.kv_before)
         self._restore_objects()
         try:
             self.adapter.after_load()
