@@ -30,7 +30,7 @@ def main() -> int:
             arms = list(rep["arms"])
             mean = [rep["arms"][a]["summary"]["kl_k3"]["mean"] for a in arms]
             std = [rep["arms"][a]["summary"]["kl_k3"]["std"] for a in arms]
-            colors = ["tab:gray" if a.startswith("bf16") else "tab:green" if a.startswith("grid")
+            colors = ["tab:gray" if a.startswith("bf16") else "tab:orange" if "kv" in a else "tab:green" if a.startswith("grid")
                       else "tab:red" for a in arms]
             ax.bar(range(len(arms)), mean, yerr=std, color=colors, capsize=4)
             ax.set_xticks(range(len(arms)), arms, rotation=35, ha="right")
