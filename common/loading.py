@@ -178,3 +178,28 @@ def check_no_nan_scales(layer, prefix: str, params) -> None:
 def labels_only(prefix: str) -> Callable[[object, str], tuple]:
     """A ``shard_info`` that names tensors ``<prefix>.<param>`` and checks no expected shape."""
     return lambda key, param: (f"{prefix}.{param}", None)
+
+
+def accounting_problems(grid_layers, partial: bool = False) -> list[str]:
+    """Write accounting of an update over ``(prefix, layer)`` pairs of on-grid layers: any
+    (parameter, shard) written more than once, and -- for a full update -- any never written.
+    Dense layers carry ``grid_expected_shards``; MoE layers ``grid_num_local_experts`` (w1/w3
+    into ``w13_weight``, w2 into ``w2_weight``, the same shards for their scales)."""
+    problems = []
+    for prefix, layer in grid_layers:
+        w = writes(layer)
+        problems += [f"{prefix}.{param}[{shard}]: written {n} times" for (param, shard), n in w.items() if n > 1]
+        if partial:
+            continue
+        expected = getattr(layer, "grid_expected_shards", None)
+        if expected is not None:                                  # dense
+            for p in ("weight", "weight_scale_inv"):
+                problems += [f"{prefix}.{p}[{s}]: never written" for s in expected
+                             if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0]
+        elif hasattr(layer, "grid_num_local_experts"):            # MoE
+            e = layer.grid_num_local_experts
+            for p, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                for q in (p, p + "_scale_inv"):
+                    problems += [f"{prefix}.{q}[{s}, expert {x}]: never written"
+                                 for s in shards for x in range(e) if w.get((q, (s, x)), 0) == 0]
+    return problems

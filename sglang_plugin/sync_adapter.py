@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from mxfp8_learner_grid.common import format as F
-from mxfp8_learner_grid.common.loading import ALL_SHARDS, writes
+from mxfp8_learner_grid.common.loading import accounting_problems, writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
@@ -138,24 +138,7 @@ class SGLangAdapter(EngineAdapter):
         return {n: p for n, p in params.items() if not n.endswith(_KV_PARAMS)}
 
     def grid_accounting(self):
-        problems = []
-        for prefix, layer in self.grid_layers():
-            w = writes(layer)
-            problems += [f"{prefix}.{param}[{shard}]: written {n} times" for (param, shard), n in w.items() if n > 1]
-            if self.partial:
-                continue
-            expected = getattr(layer, "grid_expected_shards", None)
-            if expected is not None:                              # dense
-                for p in ("weight", "weight_scale_inv"):
-                    problems += [f"{prefix}.{p}[{s}]: never written" for s in expected
-                                 if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0]
-            else:                                                 # MoE
-                e = layer.grid_num_local_experts
-                for p, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
-                    for q in (p, p + "_scale_inv"):
-                        problems += [f"{prefix}.{q}[{s}, expert {x}]: never written"
-                                     for s in shards for x in range(e) if w.get((q, (s, x)), 0) == 0]
-        return problems
+        return accounting_problems(self.grid_layers(), self.partial)
 
     # -- layout: what SGLang's loader must have done -----------------------------------------
     def expected_boxes(self, w):
