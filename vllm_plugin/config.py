@@ -30,14 +30,11 @@ from typing import Any, Optional
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.options import GridOptions
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.wire import QUANT_METHOD
 
 from . import compat
-
-KNOWN_KEYS = {"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
-              "activation_scheme", "checkpoint_format", "producer", "emulate"}
 
 
 class MXFP8LearnerGridConfig(compat.QuantizationConfig):
@@ -45,16 +42,10 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
     def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
                  raw: Optional[dict[str, Any]] = None):
         super().__init__()
-        if kv_cache_scales not in ("optional", "required"):
-            raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {kv_cache_scales!r}")
-        self.emulate = (raw or {}).get("emulate")
-        if self.emulate is not None:
-            from mxfp8_learner_grid.common.emulation import SCHEMES
-            if self.emulate not in SCHEMES:
-                raise ValueError(f"emulate must be one of {SCHEMES}; got {self.emulate!r}")
-        self.selection = selection or ModuleSelection()
-        self.kv_cache_scales = kv_cache_scales
-        self.raw = dict(raw or {})
+        raw = dict(raw or {})
+        self.options = GridOptions(selection or ModuleSelection(), kv_cache_scales, raw.get("emulate"), raw)
+        self.selection, self.kv_cache_scales = self.options.selection, self.options.kv_cache_scales
+        self.emulate, self.raw = self.options.emulate, raw
 
     def __repr__(self) -> str:
         return f"MXFP8LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
@@ -77,20 +68,8 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "MXFP8LearnerGridConfig":
-        config = dict(config or {})
-        method = config.get("quant_method", QUANT_METHOD)
-        if method != QUANT_METHOD:
-            raise ValueError(f"quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}")
-        unknown = set(config) - KNOWN_KEYS
-        if unknown:
-            raise ValueError(f"{QUANT_METHOD}: unknown quantization_config keys {sorted(unknown)}; "
-                             f"known: {sorted(KNOWN_KEYS)}")
-        if config.get("fmt", "e4m3") != "e4m3" or int(config.get("block_size", F.BLOCK_SIZE)) != F.BLOCK_SIZE \
-                or config.get("scale_format", "e8m0") != "e8m0":
-            raise ValueError(f"{QUANT_METHOD}: only E4M3 data with E8M0 scales per {F.BLOCK_SIZE} values is "
-                             f"the learner's grid; got {config}")
-        return cls(ModuleSelection.from_dict(config.get("modules")),
-                   config.get("kv_cache_scales", "optional"), raw=config)
+        opts = GridOptions.from_dict(config)
+        return cls(opts.selection, opts.kv_cache_scales, raw=opts.raw)
 
     @classmethod
     def from_config_file(cls, path: str) -> "MXFP8LearnerGridConfig":
@@ -134,11 +113,5 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
 
     # -- module selection -------------------------------------------------------------
     def on_grid(self, prefix: str) -> bool:
-        head, _, last = prefix.rpartition(".")
-        shards = (getattr(self, "packed_modules_mapping", None) or {}).get(last)
-        try:
-            if not shards:
-                return self.selection.matches(prefix)
-            return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
-        except ValueError as exc:
-            raise ValueError(f"{QUANT_METHOD}: {exc}") from None
+        last = prefix.rpartition(".")[2]
+        return self.options.on_grid(prefix, (getattr(self, "packed_modules_mapping", None) or {}).get(last))

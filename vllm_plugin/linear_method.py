@@ -9,10 +9,11 @@ import torch
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common.linear import dequantize_weight
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, check_complete, check_no_nan_scales, labels_only,
+                                               wrap_scale_loader, wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 from . import compat
-from .loading import SCALE_SENTINEL, check_complete, wrap_scale_loader, wrap_weight_loader, writes
 from .dummy import fill_dummy_grid_weights
 
 
@@ -57,10 +58,10 @@ class GridLinearMethod(compat.LinearMethodBase):
             compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale_inv", scale)
-        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader, self.prefix,
-                                                  _dense_shard_key)
-        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, self.prefix,
-                                                _dense_shard_key)
+        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader,
+                                                  _dense_shard_key, labels_only(self.prefix))
+        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key,
+                                                labels_only(self.prefix))
         layer.grid_prefix = self.prefix
         layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
         layer.grid_dummy_load = compat.load_format() == "dummy"
@@ -114,8 +115,4 @@ def register_derived(model, registry) -> None:
 
 def verify_loaded(layer, prefix, params, expected_shards) -> None:
     check_complete(layer, prefix, expected_shards, params)
-    for name in params:
-        t = getattr(layer, name)
-        if t.dtype == F.SCALE_DTYPE and bool((t == SCALE_SENTINEL).any()):
-            raise WireFormatError(f"{prefix}.{name}: some scales were never written (E8M0 255 left); "
-                                  "the checkpoint misses part of this tensor")
+    check_no_nan_scales(layer, prefix, params)

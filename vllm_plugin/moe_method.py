@@ -18,7 +18,8 @@ from mxfp8_learner_grid.common.wire import WireFormatError
 from . import compat
 from .dummy import fill_dummy_grid_weights
 from .linear_method import verify_loaded
-from .loading import SCALE_SENTINEL, SKIP, wrap_scale_loader, wrap_weight_loader, writes
+from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, SKIP, labels_only, wrap_scale_loader,
+                                               wrap_weight_loader, writes)
 
 class GridMoEMethod(compat.FusedMoEMethodBase):
 
@@ -57,9 +58,9 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
                                         "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
             layer.register_parameter(wname, w)
             layer.register_parameter(sname, s)
-            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, self.prefix, shard_key,
+            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, shard_key, labels_only(self.prefix),
                                                 named_loader=True)
-            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, self.prefix, shard_key)
+            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, shard_key, labels_only(self.prefix))
         layer.grid_prefix = self.prefix
         layer.grid_dummy_load = compat.load_format() == "dummy"
         layer.grid_num_local_experts = e

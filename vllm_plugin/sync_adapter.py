@@ -20,7 +20,7 @@ from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.session import EngineAdapter
 
-from .loading import ALL_SHARDS, writes
+from mxfp8_learner_grid.common.loading import ALL_SHARDS, writes
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
