@@ -101,6 +101,19 @@ def moe_reference(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
     return out.to(x.dtype)
 
 
+def moe_plain_reference(x, w13, w2, topk_weights, local_ids):
+    """The same SiLU-gated MoE layer off the grid, in x's dtype (per-expert loop; the CPU path of
+    experts a module selection leaves out).  w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I]."""
+    t, h = x.shape
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    for e in torch.unique(local_ids[local_ids >= 0]).tolist():
+        tok, pos = torch.where(local_ids == e)
+        g, u = Fn.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        d = Fn.linear(Fn.silu(g) * u, w2[e])
+        out.index_add_(0, tok, d.to(torch.float32) * topk_weights[tok, pos, None].to(torch.float32))
+    return out.to(x.dtype)
+
+
 def moe_triton(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
     from .kernels.gemm_triton import grid_moe_gemm, moe_align, moe_block_m
     t, h = x.shape

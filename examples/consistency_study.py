@@ -211,7 +211,7 @@ def main() -> int:
             r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--_arm", arm, "--_model", model],
                                capture_output=True, text=True, timeout=args.arm_timeout)
             err = r.stderr[-3000:] if r.returncode else None
-        except subprocess.TimeoutExpired as exc:
+        except subprocess.TimeoutExpired:
             err = f"timeout after {args.arm_timeout}s"
         if err:
             report["errors"][arm] = err

@@ -46,6 +46,7 @@ def learner_logprobs(model, prompts, completions):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="HF checkpoint dir (default: a tiny seeded Qwen3 written now)")
+    ap.add_argument("--tiny-moe", action="store_true", help="with no --model: a tiny seeded Qwen3-MoE")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--format", choices=["bf16", "mxfp8"], default="bf16")
     ap.add_argument("--sampler", choices=["grid", "bf16"], default="grid",
@@ -70,7 +71,7 @@ def main() -> int:
     model_dir = args.model
     if model_dir is None:
         from mxfp8_learner_grid.common.tiny_model import save_model
-        model_dir = str(save_model(os.path.join(tempfile.mkdtemp(prefix="rl-loop-"), "tiny-qwen3")))
+        model_dir = str(save_model(os.path.join(tempfile.mkdtemp(prefix="rl-loop-"), "tiny-qwen3"), moe=args.tiny_moe))
     sampler_dtype = getattr(torch, args.dtype)
     on_gpu = torch.cuda.is_available()
 

@@ -20,22 +20,20 @@ SGLang versions: 0.5.17's linear layers keep ``tp_rank`` / ``tp_size``; 0.5.23's
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from typing import Optional
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
-from mxfp8_learner_grid.common.loading import accounting_problems, writes
+from mxfp8_learner_grid.common.loading import writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
+from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.session import EngineAdapter
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _MERGED = ("gate_proj", "up_proj")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
 _KV_PARAMS = ("k_scale", "v_scale")
 
 
@@ -48,7 +46,7 @@ def _tp(layer, kv: bool = False) -> tuple[int, int]:
     return get_group_rank_size(group if group is not None else getattr(layer, "tp_group", None))
 
 
-class SGLangAdapter(EngineAdapter):
+class SGLangAdapter(GridLayoutMixin, EngineAdapter):
 
     def __init__(self, model: torch.nn.Module, rank: int = 0, hf_config=None, quant_config=None):
         self._model = model
@@ -137,26 +135,7 @@ class SGLangAdapter(EngineAdapter):
             return {n: params[n] for n in touched if n in params}
         return {n: p for n, p in params.items() if not n.endswith(_KV_PARAMS)}
 
-    def grid_accounting(self):
-        return accounting_problems(self.grid_layers(), self.partial)
-
     # -- layout: what SGLang's loader must have done -----------------------------------------
-    def expected_boxes(self, w):
-        if w.role not in ("data", "scale") or w.dest_box is None:
-            return None
-        mod_name, _, _ = w.param.rpartition(".")
-        try:
-            layer = self._model.get_submodule(mod_name)
-        except AttributeError:
-            return None
-        div = F.BLOCK_SIZE if w.role == "scale" else 1
-        m = _EXPERT.search("." + w.source)
-        if m is not None and hasattr(layer, "grid_num_local_experts"):
-            return self._expert_boxes(layer, int(m.group(1)), m.group(2), div)
-        if not hasattr(layer, "grid_expected_shards"):
-            return None
-        return self._dense_boxes(layer, w.source, div)
-
     def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
         from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
         n, kk = layer.weight.shape
@@ -183,19 +162,8 @@ class SGLangAdapter(EngineAdapter):
             return ((0, n), (_tp(layer)[0] * k, k)), ((0, n), (0, k))
         return ((0, n), (0, k)), ((0, n), (0, k))
 
-    def _expert_boxes(self, layer, expert: int, proj: str, div: int):
-        local = layer._map_global_expert_id_to_local_expert_id(expert)
-        if local < 0:
-            return None
-        tp_rank = int(getattr(layer, "moe_tp_rank", 0))
-        if proj == "down_proj":                                   # w2 [E, H, I]: K (= I) split by TP
-            _, h, i = layer.w2_weight.shape
-            ik = i // div
-            return ((0, h), (tp_rank * ik, ik)), ((local, 1), (0, h), (0, ik))
-        _, two_i, h = layer.w13_weight.shape                      # w13 [E, 2I, H] = [w1 = gate; w3 = up]
-        i, hk = two_i // 2, h // div
-        off = 0 if proj == "gate_proj" else i
-        return ((tp_rank * i, i), (0, hk)), ((local, 1), (off, i), (0, hk))
+    def _moe_tp_rank(self, layer) -> int:
+        return int(getattr(layer, "moe_tp_rank", 0))
 
     # -- KV scales -------------------------------------------------------------------------
     def _attn_layers(self) -> dict:

@@ -243,12 +243,13 @@ def test_sources_that_share_a_storage_keep_their_names():
     fused = torch.randn(2, 8, 32)
     p = torch.zeros(2, 8, 32)
     rec = WriteRecorder({"p": p}, backup=False)
-    rec.add_source(fused[0], "experts.0.w", "plain")
-    rec.add_source(fused[1], "experts.1.w", "plain")
+    e0, e1 = fused[0], fused[1]                 # the learner's tensors (alive while they are loaded)
+    rec.add_source(e0, "experts.0.w", "plain")
+    rec.add_source(e1, "experts.1.w", "plain")
     with rec:
-        p[1].copy_(fused[1])
-        p[0].copy_(fused[0])
-        p[0, :4].copy_(fused[0, 4:])            # a sub-box of expert 0's tensor
+        p[1].copy_(e1)
+        p[0].copy_(e0)
+        p[0, :4].copy_(e0[4:])                   # a sub-box of expert 0's tensor
     assert [(w.source, w.dest_box, w.src_box) for w in rec.writes] == [      # boxes: (start, length) per dim
         ("experts.1.w", ((1, 1), (0, 8), (0, 32)), ((0, 8), (0, 32))),
         ("experts.0.w", ((0, 1), (0, 8), (0, 32)), ((0, 8), (0, 32))),
@@ -292,3 +293,20 @@ def test_a_failure_after_the_commit_reports_the_update_applied():
     rep = GridSyncClient(t).update_weights({"weight": w}, format="bf16", version=3)
     assert rep.applied and not rep.rolled_back and not rep.ok and ad.version == 3
     assert "cache_coherence" in rep.failed() and torch.equal(ad.m.weight.data, w)
+
+
+def test_a_freed_source_does_not_claim_its_reused_memory():
+    """Bucket tensors die after their bucket; the allocator hands their memory to the next ones.
+    A stale registration must not attribute a later write to the dead tensor's name."""
+    p = torch.zeros(4, 32)
+    rec = WriteRecorder({"p": p}, backup=False)
+    t = torch.randn(4, 32)
+    rec.add_source(t, "old", "plain")
+    del t                                          # its registration is now dead
+    t2 = torch.randn(4, 32)
+    rec.add_source(t2, "new", "plain")
+    with rec:
+        p.copy_(t2)
+    assert [w.source for w in rec.writes] == ["new"]
+    dead = [x for lst in rec._sources.values() for x in lst if x.ref() is None]
+    assert not dead or all(x.name == "old" for x in dead)

@@ -106,6 +106,10 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
         if isinstance(layer, compat.MOE_LAYER_TYPES):
             if self.on_grid(prefix):
                 return GridMoEMethod(self, layer, prefix)
+            from vllm.platforms import current_platform
+            if current_platform.is_cpu():
+                from .moe_method import GridPlainMoEMethod
+                return GridPlainMoEMethod(layer)
             return compat.UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, compat.Attention):
             return GridKVCacheMethod(self, prefix)

@@ -9,13 +9,11 @@ fake-quantizes them, and in-place updates are not supported for it.
 
 from __future__ import annotations
 
-import torch
-
 from mxfp8_learner_grid.common.emulation import emulated_linear, emulated_moe
 from mxfp8_learner_grid.common.ops import local_expert_ids
 
-from . import compat
 from .linear_method import GridPlainLinearMethod
+from .moe_method import GridPlainMoEMethod
 
 
 class EmulatedLinearMethod(GridPlainLinearMethod):
@@ -28,25 +26,11 @@ class EmulatedLinearMethod(GridPlainLinearMethod):
         return emulated_linear(x, layer.weight, self.scheme, bias)
 
 
-class EmulatedMoEMethod(compat.FusedMoEMethodBase):
+class EmulatedMoEMethod(GridPlainMoEMethod):
 
     def __init__(self, scheme: str, layer):
-        super().__init__(layer.moe_config)
+        super().__init__(layer)
         self.scheme = scheme
-
-    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
-                       **extra_weight_attrs):
-        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
-        for name, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
-            p = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
-            layer.register_parameter(name, p)
-            compat.set_weight_attrs(p, extra_weight_attrs)
-
-    def process_weights_after_loading(self, layer) -> None:
-        pass
-
-    def get_fused_moe_quant_config(self, layer):
-        return compat.moe_quant_config_none()
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         ids = local_expert_ids(topk_ids, layer.expert_map)

@@ -89,3 +89,34 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
             x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
             topk_weights, topk_ids, layer.expert_map)
 
+
+
+class GridPlainMoEMethod(compat.FusedMoEMethodBase):
+    """Experts a module selection leaves off the grid, on CPU: plain weights in the checkpoint's
+    layout ([E, 2I, H] / [E, H, I]) and a plain MoE forward.  vLLM's own unquantized CPU method
+    prepacks the experts into a runtime layout that an in-place weight update cannot write (a
+    BF16 control sampler's updates would land in the wrong layout); this one keeps them
+    updatable, like ``GridPlainLinearMethod`` for Linear layers.  On CUDA the plugin uses vLLM's
+    own unquantized method."""
+
+    def __init__(self, layer):
+        super().__init__(layer.moe_config)
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        for name, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
+            p = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            compat.set_weight_attrs(p, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+    def get_fused_moe_quant_config(self, layer):
+        return compat.moe_quant_config_none()
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        from mxfp8_learner_grid.common.ops import local_expert_ids, moe_plain_reference
+        return moe_plain_reference(x, layer.w13_weight, layer.w2_weight, topk_weights,
+                                   local_expert_ids(topk_ids, layer.expert_map))

@@ -14,19 +14,19 @@ from typing import Optional
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
+from mxfp8_learner_grid.common.loading import writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
+from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.session import EngineAdapter
 
-from mxfp8_learner_grid.common.loading import ALL_SHARDS, writes
+
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
 
 
-class VLLMAdapter(EngineAdapter):
+class VLLMAdapter(GridLayoutMixin, EngineAdapter):
 
     def __init__(self, model: torch.nn.Module, vllm_config, rank: int = 0):
         self._model = model
@@ -101,60 +101,20 @@ class VLLMAdapter(EngineAdapter):
             elif current_platform.is_cpu() and type(qm).__name__ == "UnquantizedEmbeddingMethod":
                 qm.process_weights_after_loading(m)
 
+
     def derived(self):
         return self.registry
 
     # -- completeness -----------------------------------------------------------------------
     def scope(self, touched):
         params = dict(self._model.named_parameters())
-        manifest_partial = getattr(self, "_partial", False)
+        manifest_partial = self.partial
         skip = ("k_scale", "v_scale", "q_scale", "prob_scale")
         if manifest_partial:
             return {n: params[n] for n in touched if n in params}
         return {n: p for n, p in params.items() if not n.endswith(skip)}
 
-    def grid_accounting(self):
-        problems = []
-        for prefix, layer in self.grid_layers():
-            w = writes(layer)
-            for (param, shard), n in w.items():
-                if n > 1:
-                    problems.append(f"{prefix}.{param}[{shard}]: written {n} times")
-            if getattr(self, "_partial", False):
-                continue
-            expected = getattr(layer, "grid_expected_shards", None)
-            if expected is not None:                              # dense
-                for p in ("weight", "weight_scale_inv"):
-                    for s in expected:
-                        if w.get((p, s), 0) == 0 and w.get((p, ALL_SHARDS), 0) == 0:
-                            problems.append(f"{prefix}.{p}[{s}]: never written")
-            else:                                                 # MoE
-                e = layer.grid_num_local_experts
-                for p, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
-                    for q in (p, p + "_scale_inv"):
-                        for s in shards:
-                            for x in range(e):
-                                if w.get((q, (s, x)), 0) == 0:
-                                    problems.append(f"{prefix}.{q}[{s}, expert {x}]: never written")
-        return problems
-
     # -- layout: what vLLM's loader must have done ------------------------------------------
-    def expected_boxes(self, w):
-        if w.role not in ("data", "scale") or w.dest_box is None:
-            return None
-        mod_name, _, pname = w.param.rpartition(".")
-        try:
-            layer = self._model.get_submodule(mod_name)
-        except AttributeError:
-            return None
-        div = F.BLOCK_SIZE if w.role == "scale" else 1
-        m = _EXPERT.search("." + w.source)
-        if m is not None and hasattr(layer, "grid_num_local_experts"):
-            return self._expert_boxes(layer, int(m.group(1)), m.group(2), div)
-        if not hasattr(layer, "grid_expected_shards"):
-            return None
-        return self._dense_boxes(layer, w.source, div)
-
     def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
         from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                        RowParallelLinear)
@@ -184,20 +144,8 @@ class VLLMAdapter(EngineAdapter):
             return ((0, n), (layer.tp_rank * k, k)), ((0, n), (0, k))
         return ((0, n), (0, k)), ((0, n), (0, k))
 
-    def _expert_boxes(self, layer, expert: int, proj: str, div: int):
-        local = layer._map_global_expert_id_to_local_expert_id(expert)
-        if local < 0:
-            return None
-        cfg = layer.moe_config
-        tp_rank = getattr(cfg, "tp_rank", 0)
-        if proj == "down_proj":
-            _, h, i = layer.w2_weight.shape
-            ik = i // div
-            return ((0, h), (tp_rank * ik, ik)), ((local, 1), (0, h), (0, ik))
-        _, two_i, h = layer.w13_weight.shape
-        i, hk = two_i // 2, h // div
-        off = 0 if proj == "gate_proj" else i
-        return ((tp_rank * i, i), (0, hk)), ((local, 1), (off, i), (0, hk))
+    def _moe_tp_rank(self, layer) -> int:
+        return int(getattr(layer.moe_config, "tp_rank", 0))
 
     # -- KV scales -------------------------------------------------------------------------
     def _attn_layers(self):

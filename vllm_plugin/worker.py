@@ -50,7 +50,7 @@ class GridWorkerExtension:
         opts = json.loads(options_json)
         ad = self._grid()
         manifest = Manifest.from_json(manifest_json)
-        ad._partial = manifest.partial
+        ad.partial = manifest.partial
         ad._loads = 0
         prev = getattr(self, "_grid_session", None)
         if prev is not None and not prev.finished:

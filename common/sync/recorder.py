@@ -19,8 +19,9 @@ This is engine-agnostic: it sees tensors, not vLLM or SGLang classes.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,6 +73,7 @@ class _Source:
     base_shape: tuple
     base_offset: int
     end: int = 0              # one past the last storage element the source covers
+    ref: Optional[Callable] = None   # weak reference to the tensor: a freed tensor's memory gets reused
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -111,8 +113,8 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         slices of one buffer), and each keeps its own name."""
         lo, hi = _extent(t)
         lst = self._sources.setdefault(t.untyped_storage().data_ptr(), [])
-        lst[:] = [x for x in lst if not (x.base_offset == lo and x.end == hi)]
-        lst.append(_Source(name, role, tuple(t.shape), lo, hi))
+        lst[:] = [x for x in lst if x.ref() is not None and not (x.base_offset == lo and x.end == hi)]
+        lst.append(_Source(name, role, tuple(t.shape), lo, hi, weakref.ref(t)))
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
         """The registered source whose element range contains ``t``'s (the innermost, if nested)."""
@@ -123,7 +125,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         if not lst:
             return None
         lo, hi = _extent(t)
-        inside = [x for x in lst if x.base_offset <= lo and hi <= max(x.end, x.base_offset + 1)]
+        inside = [x for x in lst if x.ref() is not None and x.base_offset <= lo and hi <= max(x.end, x.base_offset + 1)]
         if not inside:
             return None
         return min(inside, key=lambda x: x.end - x.base_offset)
