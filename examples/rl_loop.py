@@ -95,7 +95,16 @@ def main() -> int:
               dtype=args.dtype, max_model_len=512,
               gpu_memory_utilization=0.3 if on_gpu else 0.1, enforce_eager=not on_gpu, seed=0,
               worker_extension_cls=GRID_WORKER)
-    client = connect(llm, digest="sampled", fraction=0.1)
+    # the end-to-end probe after every sync: the sampler's prompt logprobs against the learner's
+    # (in BF16 the two differ by accumulation order amplified by the quantizer -- ~0.05 nats a
+    # token on average -- so the probe bounds the mean; a stale or garbled engine is nats away)
+    probe = [list(range(1, 17)), list(range(40, 8, -2))]
+
+    def probe_logprobs(prompts):
+        with torch.no_grad():
+            return [lp.tolist() for lp in learner_logprobs(learner, [p[:1] for p in prompts], [p[1:] for p in prompts])]
+    client = connect(llm, digest="sampled", fraction=0.1, probe_prompts=probe, learner_logprobs=probe_logprobs,
+                     probe_stat="mean", probe_tolerance=0.3)
 
     # the first sync puts the learner's exact bytes into the sampler (its fp32 norms cast to the sampler dtype)
     def sync(step):
@@ -138,6 +147,7 @@ def main() -> int:
             rep = sync(step)
             rec = {"step": step, "reward": reward.mean().item(), "loss": loss.item(), **metrics,
                    "sync_ok": rep.ok, "sync_failed": rep.failed(), "sync_s": rep.timings.get("total_s"),
+                   "probe": next((c.details[0] for c in rep.checks if c.name == "probe"), None),
                    "step_s": time.time() - t0, "format": args.format, "sampler": args.sampler}
             print(json.dumps(rec), flush=True)
             if args.json:

@@ -65,12 +65,15 @@ class GridSyncClient:
     def __init__(self, transport, digest: str = "sampled", fraction: float = 0.05, backup: bool | str = True,
                  bucket_bytes: int = 256 << 20, probe_prompts: Optional[list] = None,
                  learner_logprobs: Optional[Callable[[list], list]] = None, probe_tolerance: float = 2e-3,
-                 cache_probe_prompt: Optional[list] = None):
+                 cache_probe_prompt: Optional[list] = None, probe_stat: str = "max"):
         self.t = transport
         self.digest, self.fraction, self.backup, self.bucket_bytes = digest, fraction, backup, bucket_bytes
         self.probe_prompts, self.learner_logprobs, self.probe_tolerance = probe_prompts, learner_logprobs, \
             probe_tolerance
         self.cache_probe_prompt = cache_probe_prompt
+        if probe_stat not in ("max", "mean"):
+            raise ValueError(f"probe_stat must be 'max' or 'mean'; got {probe_stat!r}")
+        self.probe_stat = probe_stat      # "max": float32 engines (accumulation order only); "mean": BF16 ones
         self.version = max(int(s["version"]) for s in self.t.rpc("grid_state"))
 
     # ----------------------------------------------------------------------------------
@@ -194,9 +197,10 @@ class GridSyncClient:
             return CheckResult("probe", None, ["no probe prompts / learner forward given"], 0.0)
         got, _ = self.t.prompt_logprobs(self.probe_prompts)
         want = self.learner_logprobs(self.probe_prompts)
-        diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+        d = [abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)]
+        diff = max(d) if self.probe_stat == "max" else sum(d) / len(d)
         ok = diff <= self.probe_tolerance
-        return CheckResult("probe", ok, [f"max |logprob diff| vs the learner's grid forward: {diff:.2e} "
+        return CheckResult("probe", ok, [f"{self.probe_stat} |logprob diff| vs the learner's grid forward: {diff:.2e} "
                                          f"(tolerance {self.probe_tolerance})"], time.perf_counter() - t0)
 
 

@@ -33,3 +33,4 @@ def test_rl_loop_runs_and_syncs(tmp_path, fmt, sampler, moe):
         assert s["tokens"] == 4 * 16 and all(math.isfinite(s[k]) for k in ("kl_k1", "kl_k3", "abs_diff"))
         assert s["kl_k3"] >= 0 and s["token_mult_prob_err"] >= 1.0 and s["sampler"] == sampler
         assert s["abs_diff"] < 0.5, s           # sampler and learner compute (nearly) the same function
+        assert s["probe"].startswith("mean |logprob diff|"), s       # the end-to-end probe ran after the sync
