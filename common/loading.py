@@ -39,6 +39,26 @@ SKIP = object()         # shard_key result for a write the engine's loader drops
 ALL_SHARDS = None       # shard key of a write that covers every shard (fused on disk)
 
 
+def new_grid_params(shape) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """An on-grid weight's two parameters, not yet written: fp8 data of ``shape`` ([..., N, K])
+    and E8M0 scales [..., N, K/32] filled with ``SCALE_SENTINEL`` (what ``check_no_nan_scales``
+    finds if the checkpoint never writes them)."""
+    shape = tuple(shape)
+    w = torch.nn.Parameter(torch.empty(shape, dtype=F.FP8_DTYPE), requires_grad=False)
+    s = torch.nn.Parameter(torch.full((*shape[:-1], shape[-1] // F.BLOCK_SIZE), SCALE_SENTINEL, dtype=F.SCALE_DTYPE),
+                           requires_grad=False)
+    return w, s
+
+
+def check_linear_partition(prefix: str, output_partition_sizes, k: int) -> None:
+    """Raise naming the layer unless every dim of its TP partition is a multiple of 32."""
+    if k % F.BLOCK_SIZE or any(p % F.BLOCK_SIZE for p in output_partition_sizes):
+        raise WireFormatError(
+            f"{prefix}: layer of partition shape out={list(output_partition_sizes)}, in={k} is not on "
+            f"the MXFP8 grid (every dim must be a multiple of {F.BLOCK_SIZE} after tensor-parallel "
+            f"splitting); exclude it with the module selection or change the TP size")
+
+
 def writes(layer) -> Counter:
     """(parameter name, shard) -> number of writes, since creation or the last reset."""
     if not hasattr(layer, "_grid_writes"):

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, check_complete, check_no_nan_scales, wrap_scale_loader,
-                                               wrap_weight_loader, writes)
-from mxfp8_learner_grid.common.wire import WireFormatError
+from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, new_grid_params,
+                                               wrap_scale_loader, wrap_weight_loader, writes)
 
 from . import compat
 
@@ -84,15 +82,9 @@ class LearnerGridLinearMethod(compat.LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
         n, k = sum(output_partition_sizes), input_size_per_partition
-        if k % F.BLOCK_SIZE or any(p % F.BLOCK_SIZE for p in output_partition_sizes):
-            raise WireFormatError(
-                f"{self.prefix}: layer of partition shape out={list(output_partition_sizes)}, in={k} is not on "
-                f"the MXFP8 grid (every dim must be a multiple of {F.BLOCK_SIZE} after tensor-parallel "
-                f"splitting); exclude it with the module selection or change the TP size")
+        check_linear_partition(self.prefix, output_partition_sizes, k)
         base_loader = extra_weight_attrs.pop("weight_loader")
-        weight = torch.nn.Parameter(torch.empty(n, k, dtype=F.FP8_DTYPE), requires_grad=False)
-        scale = torch.nn.Parameter(torch.full((n, k // F.BLOCK_SIZE), SCALE_SENTINEL, dtype=F.SCALE_DTYPE),
-                                   requires_grad=False)
+        weight, scale = new_grid_params((n, k))
         for p in (weight, scale):
             compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)

@@ -15,7 +15,7 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, SKIP, check_complete, check_no_nan_scales, wrap_scale_loader,
+from mxfp8_learner_grid.common.loading import (SKIP, check_complete, check_no_nan_scales, new_grid_params, wrap_scale_loader,
                                                wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
 
@@ -78,9 +78,7 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
 
         for wname, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
             sname = wname + "_scale_inv"
-            w = torch.nn.Parameter(torch.empty(shape, dtype=F.FP8_DTYPE), requires_grad=False)
-            s = torch.nn.Parameter(torch.full((*shape[:-1], shape[-1] // F.BLOCK_SIZE), SCALE_SENTINEL,
-                                              dtype=F.SCALE_DTYPE), requires_grad=False)
+            w, s = new_grid_params(shape)
             compat.set_weight_attrs(w, extra_weight_attrs)
             compat.set_weight_attrs(s, {**extra_weight_attrs,
                                         "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})

@@ -18,8 +18,8 @@ from mxfp8_learner_grid.common.wire import WireFormatError
 from . import compat
 from .dummy import fill_dummy_grid_weights
 from .linear_method import verify_loaded
-from mxfp8_learner_grid.common.loading import (SCALE_SENTINEL, SKIP, labels_only, wrap_scale_loader,
-                                               wrap_weight_loader, writes)
+from mxfp8_learner_grid.common.loading import (SKIP, labels_only, new_grid_params, wrap_scale_loader, wrap_weight_loader,
+                                               writes)
 
 class GridMoEMethod(compat.FusedMoEMethodBase):
 
@@ -50,9 +50,7 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
 
         for wname, shape in shapes.items():
             sname = wname + "_scale_inv"
-            w = torch.nn.Parameter(torch.empty(shape, dtype=F.FP8_DTYPE), requires_grad=False)
-            s = torch.nn.Parameter(torch.full((*shape[:-1], shape[-1] // F.BLOCK_SIZE), SCALE_SENTINEL,
-                                              dtype=F.SCALE_DTYPE), requires_grad=False)
+            w, s = new_grid_params(shape)
             compat.set_weight_attrs(w, extra_weight_attrs)
             compat.set_weight_attrs(s, {**extra_weight_attrs,
                                         "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
