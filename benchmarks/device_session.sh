@@ -5,6 +5,9 @@
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
 #   bash benchmarks/device_session.sh study           # consistency study, dense on GPU 0 and MoE on GPU 1
 #   bash benchmarks/device_session.sh linear          # new kernel tests + linear benchmark + plot
+#   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
+#   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
+#   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
 # Results go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -44,6 +47,23 @@ case "${1:-kernels}" in
     done
     wait
     tail -12 "$OUT"/study-*.log
+    ;;
+  fast)   # the fast path: GPU tests (exactness, refresh under graphs, MoE), then the kernel benchmark
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py tests/gpu/test_cuda_gemv_qdq.py \
+      tests/gpu/test_cuda_quantize.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -25
+    python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" ${FAST_ARGS:-} 2>&1 | tee "$OUT/bench_fast_path.log" \
+      | grep -v "^\s*$" | tail -60
+    ;;
+  layers) # per-layer exactness inside a served model (dense 8B shape, MoE 30B shape)
+    for s in qwen3-8b qwen3-30b-a3b; do
+      PYTHONPATH=tests/gpu:$PYTHONPATH timeout 300 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
+        --out "$OUT/layers-$s.json" 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
+    done
+    ;;
+  e2e)    # end to end, arms in the same run: bash device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS_JSON]
+    python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
+      --grid-options "${5:-}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
+      | grep -v " INFO \| WARNING \|^\s*$" | tail -40
     ;;
   linear)
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8

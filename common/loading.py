@@ -12,7 +12,10 @@ expert ids are the engine's), wrapped to:
 * take an FP8 tensor (a pre-quantized wire-format checkpoint) as the learner's bytes:
   copied, never re-quantized;
 * count every write per (parameter, shard) so that ``process_weights_after_loading`` can
-  name anything the checkpoint never provided.
+  name anything the checkpoint never provided;
+* after a write into a processed layer, bring the kernel's derived tensors up to date
+  (``common.refresh.mark_written``): whoever writes -- the engine's ``load_weights``, a
+  trainer calling a loader directly, the update session -- nothing is left stale.
 
 The engines' loader signatures agree (``loader(param, tensor, *shard args)``); what differs
 is passed in: ``shard_key`` (which shard a call writes) and ``shard_info`` (a label for
@@ -30,6 +33,7 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.refresh import mark_written
 from mxfp8_learner_grid.common.sync.recorder import note_derived_source
 from mxfp8_learner_grid.common.wire import WireFormatError
 
@@ -127,6 +131,7 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
                                   f"float8_e4m3fn (wire format) or bf16/fp16/fp32 (quantized on load)")
         if key is not SKIP:
             writes(layer)[(weight_param, key)] += 1
+            mark_written(layer, _expert_of(key))
         return out
 
     return load_weight
@@ -149,9 +154,17 @@ def wrap_scale_loader(layer, scale_param: str, base_loader: Callable, shard_key:
         out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
         if key is not SKIP:
             writes(layer)[(scale_param, key)] += 1
+            mark_written(layer, _expert_of(key))
         return out
 
     return load_scale
+
+
+def _expert_of(key):
+    """The local expert a shard key names (MoE keys are (shard, local expert)); None: the whole layer."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int):
+        return key[1]
+    return None
 
 
 # FusedMoE.weight_loader takes the parameter name as its third argument and routes scales

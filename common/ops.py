@@ -9,7 +9,9 @@ graphs capture them like any other op (no host sync, static shapes):
 
 Kernel choice (``choose_backend``): CUDA tensors with Triton use the Triton kernels of
 ``common/kernels``; anything else uses the PyTorch reference (``common/linear.py``), which
-is the CPU path of both plugins.  ``MXFP8_GRID_BACKEND=torch`` forces the reference.
+is the CPU path of both plugins.  ``MXFP8_GRID_BACKEND=torch`` (read once, at import) forces
+the reference.  Which kernel a layer uses is chosen once per layer by ``common.grid_kernels``;
+these ops are the portable ones it picks from.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ from .quantize import quantize_rows
 from .tensor import dequantize_blocks
 
 
-def choose_backend(x: torch.Tensor) -> str:
+def _forced_backend() -> str:
     forced = os.environ.get("MXFP8_GRID_BACKEND", "auto")
     if forced not in ("auto", "torch", "triton"):
         raise ValueError(f"MXFP8_GRID_BACKEND must be auto, torch or triton; got {forced!r}")
+    return forced
+
+
+#: read once, at import (never on the hot path)
+FORCED_BACKEND = _forced_backend()
+
+
+def choose_backend(x: torch.Tensor) -> str:
+    forced = FORCED_BACKEND
     if forced == "torch":
         return "torch"
     if triton_available(x):
@@ -60,6 +71,18 @@ def grid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
 
 
 @grid_linear.register_fake
+def _(x, weight, weight_scale_inv, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("mxfp8_learner_grid::linear_reference", mutates_args=())
+def grid_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                          bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The grid Linear by its PyTorch definition, on any device (``kernel: torch``)."""
+    return mxfp8_linear_reference(x, weight, weight_scale_inv, bias)
+
+
+@grid_linear_reference.register_fake
 def _(x, weight, weight_scale_inv, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 

@@ -6,6 +6,9 @@ Keys (all optional)::
     modules: {include: [...], exclude: [...], layers: [...]}   # common.selection
     kv_cache_scales: optional | required
     emulate: fp8_per_tensor | fp8_block128                      # vLLM, consistency study only
+    kernel: auto | marlin | triton | torch                      # force one kernel (common.grid_kernels)
+    prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
+    cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
     wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
 """
@@ -20,7 +23,8 @@ from .selection import ModuleSelection
 from .wire import QUANT_METHOD
 
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
-                        "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate"})
+                        "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
+                        "kernel", "prefill_crossover", "cpu_weight_cache"})
 KV_CACHE_SCALES = ("optional", "required")
 
 
@@ -34,6 +38,14 @@ class GridOptions:
     def __post_init__(self):
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {self.kv_cache_scales!r}")
+        kernel = self.raw.get("kernel", "auto")
+        if kernel not in ("auto", "marlin", "triton", "torch"):
+            raise ValueError(f"kernel must be one of auto, marlin, triton, torch; got {kernel!r}")
+        crossover = self.raw.get("prefill_crossover", 1)
+        if isinstance(crossover, bool) or not isinstance(crossover, int) or crossover < 1:
+            raise ValueError(f"prefill_crossover must be a positive integer (rows); got {crossover!r}")
+        if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
+            raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.emulate is not None:
             from .emulation import SCHEMES
             if self.emulate not in SCHEMES:

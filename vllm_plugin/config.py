@@ -113,6 +113,11 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
             return compat.UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, compat.Attention):
             return GridKVCacheMethod(self, prefix)
+        if isinstance(layer, compat.VocabParallelEmbedding):
+            from vllm.platforms import current_platform
+            if current_platform.is_cpu():
+                from .linear_method import GridPlainEmbeddingMethod
+                return GridPlainEmbeddingMethod()
         return None
 
     # -- module selection -------------------------------------------------------------

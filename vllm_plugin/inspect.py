@@ -31,3 +31,8 @@ def kv_scales(model: torch.nn.Module) -> dict[str, list]:
         if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype"):
             out[n] = [float(m._k_scale), float(m._v_scale), str(m.kv_cache_dtype)]
     return out
+
+
+def grid_kernels(model: torch.nn.Module) -> dict[str, str]:
+    """On-grid module name -> the kernel it chose (common.grid_kernels), with its description."""
+    return {n: m.grid_kernel.describe() for n, m in model.named_modules() if getattr(m, "grid_kernel", None) is not None}

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from mxfp8_learner_grid.common.linear import dequantize_weight
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
+from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec, register_kernel_derived
+from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, labels_only,
                                                new_grid_params, wrap_scale_loader, wrap_weight_loader, writes)
 
 from . import compat
 from .dummy import fill_dummy_grid_weights
-
-
-CPU_CACHE_ENV = "MXFP8_GRID_CPU_CACHE"
 
 
 def _expected_shards(layer, n_parts: int):
@@ -55,36 +52,35 @@ class GridLinearMethod(compat.LinearMethodBase):
         scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key,
                                                 labels_only(self.prefix))
         layer.grid_prefix = self.prefix
+        layer.grid_act_dtype = params_dtype
         layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
         layer.grid_dummy_load = compat.load_format() == "dummy"
         writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
-        # Idempotent, and allocation-free after the first call.  On CUDA the kernel reads the
-        # parameters as loaded (compact [N, K/32] scales): nothing derived.  On CPU a derived
-        # fp32 copy of W's exact values (a registered buffer, rebuilt in place after every
-        # update) saves dequantizing W in every forward.
+        # Idempotent, and allocation-free after the first call.  The layer's kernel is chosen
+        # once (common.grid_kernels.choose); its derived tensors are allocated here once and
+        # rewritten in place after every write (common.refresh), so CUDA graphs stay valid.
         first = not getattr(layer, "grid_processed", False)
         if layer.grid_dummy_load and first:
             fill_dummy_grid_weights(layer.weight, layer.weight_scale_inv, self.prefix)
         elif first:
             verify_loaded(layer, self.prefix, ("weight", "weight_scale_inv"), layer.grid_expected_shards)
-        if first and layer.weight.device.type == "cpu" and os.environ.get(CPU_CACHE_ENV, "1") != "0":
-            layer.register_buffer("weight_dequant", dequantize_weight(layer.weight, layer.weight_scale_inv),
-                                  persistent=False)
-        self.update_refresh(layer)
+        if first:
+            compat.register_kernel_providers()
+            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "linear", layer.weight,
+                                                         layer.grid_act_dtype, n=layer.weight.shape[0],
+                                                         k=layer.weight.shape[1],
+                                                         has_bias=getattr(layer, "bias", None) is not None))
+        layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 
     def update_refresh(self, layer) -> None:
         """After new bytes: rebuild derived copies in their existing storage."""
-        if hasattr(layer, "weight_dequant"):
-            with torch.no_grad():
-                layer.weight_dequant.copy_(dequantize_weight(layer.weight, layer.weight_scale_inv))
+        refresh_layer(layer)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if hasattr(layer, "weight_dequant"):
-            return torch.ops.mxfp8_learner_grid.linear_dequantized(x, layer.weight_dequant, bias)
-        return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
+        return layer.grid_kernel.apply(layer, x, bias)
 
 
 class GridPlainLinearMethod(compat.UnquantizedLinearMethod):
@@ -97,12 +93,19 @@ class GridPlainLinearMethod(compat.UnquantizedLinearMethod):
         super().process_weights_after_loading(layer)
 
 
+class GridPlainEmbeddingMethod(compat.UnquantizedEmbeddingMethod):
+    """Embeddings and lm_head on CPU: vLLM's unquantized method computes lm_head from a packed copy
+    of the weight made once at load (``dispatch_cpu_unquantized_gemm``), which a trainer's plain
+    ``model.load_weights`` never refreshes -- the engine then samples from the old lm_head.  This
+    one reads the parameter itself (``torch.nn.functional.linear``), so every write is live."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+
 def register_derived(model, registry) -> None:
     """Register every derived tensor of the on-grid layers (see common/sync/derived.py)."""
-    for name, m in model.named_modules():
-        if isinstance(getattr(m, "quant_method", None), GridLinearMethod) and hasattr(m, "weight_dequant"):
-            registry.register(name, "weight_dequant", m.weight_dequant,
-                              lambda m=m: dequantize_weight(m.weight, m.weight_scale_inv))
+    register_kernel_derived(model, registry)
 
 
 def verify_loaded(layer, prefix, params, expected_shards) -> None:

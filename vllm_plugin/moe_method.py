@@ -13,6 +13,9 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
+from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec
+from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 from . import compat
@@ -62,20 +65,32 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
         layer.grid_prefix = self.prefix
         layer.grid_dummy_load = compat.load_format() == "dummy"
         layer.grid_num_local_experts = e
+        layer.grid_act_dtype = params_dtype
         writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
-        if getattr(layer, "grid_processed", False):
-            return                       # updates: nothing derived to rebuild, nothing to reallocate
-        if layer.grid_dummy_load:
+        # Idempotent, allocation-free after the first call (see GridLinearMethod).
+        first = not getattr(layer, "grid_processed", False)
+        if first and layer.grid_dummy_load:
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
-        else:
+        elif first:
             e = layer.grid_num_local_experts
             for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
                 verify_loaded(layer, self.prefix, (wname, wname + "_scale_inv"),
                               [(sh, x) for sh in shards for x in range(e)])
+        if first:
+            compat.register_kernel_providers()
+            e, two_i, h = layer.w13_weight.shape
+            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "moe", layer.w13_weight,
+                                                         layer.grid_act_dtype, n=two_i, k=h, intermediate=two_i // 2,
+                                                         num_experts=e))
+        layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
+
+    def update_refresh(self, layer) -> None:
+        """After new bytes: rebuild derived copies in their existing storage."""
+        refresh_layer(layer)
 
     def get_fused_moe_quant_config(self, layer):
         return compat.moe_quant_config_none()
@@ -83,9 +98,7 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(f"{self.prefix}: apply_router_weight_on_input is not supported on the grid")
-        return torch.ops.mxfp8_learner_grid.moe(
-            x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
-            topk_weights, topk_ids, layer.expert_map)
+        return layer.grid_kernel.apply(layer, x, topk_weights, topk_ids, layer.expert_map)
 
 
 

@@ -78,16 +78,22 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
     def begin(self):
         for _, layer in self.grid_layers():
             writes(layer).clear()
+        if "skip_rebuild" in self.faults:     # keep the derived tensors' old bytes, to put back after the update
+            self._stale_derived = [(d.tensor, d.tensor.clone()) for d in self.registry]
 
     def after_load(self):
-        """Derived state after new bytes: our methods keep none on the GPU; on CPU vLLM's own
-        unquantized embedding / lm_head keep a packed GEMM copy, rebuilt here."""
+        """Derived state after new bytes.  Each on-grid layer's kernel rebuilds its derived tensors
+        in place: the loaders already did as they wrote (common.refresh), this also covers a
+        rollback, whose old bytes come back without the loaders.  On CPU vLLM's own unquantized
+        embedding / lm_head keep a packed GEMM copy, rebuilt here."""
         from vllm.platforms import current_platform
         if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
             layer = next(iter(self.grid_layers()))[1]
             name = "weight" if hasattr(layer, "weight") else "w13_weight"
             setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
-        if "skip_rebuild" in self.faults:
+        if "skip_rebuild" in self.faults:     # a derived copy left stale (never rebuilt from the new bytes)
+            for live, old in getattr(self, "_stale_derived", []):
+                live.copy_(old)
             return
         for _, m in self._model.named_modules():
             qm = getattr(m, "quant_method", None)

@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from ..refresh import deferred_refresh
 from .derived import DerivedRegistry
 from .digest import fingerprint
 from .manifest import Manifest, validate
@@ -133,8 +134,9 @@ class UpdateSession:
                                                                      else "plain")
                 self.recorder.add_source(t, name, role)
             n_before = len(self.recorder.writes)
-            with self.recorder:
-                self.adapter.load(items)
+            with deferred_refresh():           # each written layer's derived tensors rebuilt once, after the bucket
+                with self.recorder:
+                    self.adapter.load(items)
             written = {w.source for w in self.recorder.writes[n_before:]}
             self.silent += [n for n, _ in items if n not in written]
             self.received.update(n for n, _ in items)

@@ -1,0 +1,127 @@
+"""End to end on one GPU: output tokens/s of vLLM with the grid against BF16 and vLLM's own FP8 paths (issue #11).
+
+    python benchmarks/bench_e2e.py --shape qwen3-8b --arms bf16,grid,fp8,mxfp8 --conc 1,16,64 \
+        --out e2e.jsonl [--grid-options '{"prefill_crossover": 1024}'] [--arm-timeout 420]
+
+Each arm runs in its own process (``--worker``): vLLM with its defaults (torch.compile, full and
+piecewise CUDA graphs), ``load_format="dummy"`` weights of the real layer shapes, 512 prompt
+tokens and 256 output tokens per request (ignore_eos), the same seeded prompts for every arm --
+the protocol of ``shared/device/anchor_bench.py``.  ``grid`` is ``--quantization
+mxfp8-learner-grid``.  One JSON line per (arm, concurrency): date, shape, arm, conc, out_tok_s,
+load_s, engine, commit (+ options); the ratios against bf16 of the same run are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def make_model_dir(shape):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+    d = tempfile.mkdtemp(prefix=shape)
+    if shape == "qwen3-8b":
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                          rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+    elif shape == "qwen3-30b-a3b":
+        cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+                             tie_word_embeddings=False, torch_dtype="bfloat16")
+    else:
+        raise SystemExit(f"unknown shape {shape}")
+    cfg.architectures = ["Qwen3ForCausalLM" if shape == "qwen3-8b" else "Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(d)
+    return d
+
+
+def worker(shape, arm, concs, grid_options):
+    from vllm import LLM, SamplingParams
+    kw = dict(model=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=1024, gpu_memory_utilization=0.85, max_num_seqs=max(concs))
+    if arm == "grid":
+        kw["quantization"] = "mxfp8-learner-grid"
+        if grid_options:
+            kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(grid_options)}
+    elif arm != "bf16":
+        kw["quantization"] = arm
+    t0 = time.time()
+    llm = LLM(**kw)
+    load_s = time.time() - t0
+    sp = SamplingParams(max_tokens=256, ignore_eos=True, detokenize=False, temperature=0)
+    random.seed(0)
+    for c in concs:
+        prompts = [{"prompt_token_ids": [random.randrange(1000, 100000) for _ in range(512)]} for _ in range(c)]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
+        t = time.time()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.time() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("ROW " + json.dumps({"conc": c, "out_tok_s": round(n / dt, 1), "secs": round(dt, 2),
+                                   "load_s": round(load_s, 1)}), flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--arms", default="bf16,grid")
+    ap.add_argument("--conc", default="1,16,64")
+    ap.add_argument("--out", default="e2e.jsonl")
+    ap.add_argument("--grid-options", default="")
+    ap.add_argument("--arm-timeout", type=int, default=420)
+    ap.add_argument("--worker", default="")
+    args = ap.parse_args()
+    concs = [int(c) for c in args.conc.split(",")]
+    opts = json.loads(args.grid_options) if args.grid_options else {}
+    if args.worker:
+        return worker(args.shape, args.worker, concs, opts)
+    import vllm
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = {}
+    with open(args.out, "a") as f:
+        for arm in args.arms.split(","):
+            cmd = [sys.executable, __file__, "--worker", arm, "--shape", args.shape, "--conc", args.conc,
+                   "--grid-options", args.grid_options]
+            t0 = time.time()
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
+                text, rc = r.stdout + r.stderr, r.returncode
+            except subprocess.TimeoutExpired as exc:
+                text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"
+            got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+            if not got:
+                print(f"[{arm}] failed (rc {rc}, {time.time() - t0:.0f} s):\n" + text[-3000:], flush=True)
+            for g in got:
+                rec = {"date": datetime.date.today().isoformat(), "shape": args.shape, "arm": arm, "conc": g["conc"],
+                       "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": f"vllm {vllm.__version__}",
+                       "commit": commit, "secs": g["secs"]}
+                if arm == "grid" and opts:
+                    rec["options"] = opts
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                rows[(arm, g["conc"])] = rec
+                print(json.dumps(rec), flush=True)
+    for (arm, c), rec in sorted(rows.items()):
+        base = rows.get(("bf16", c))
+        if base and arm != "bf16":
+            print(f"{args.shape} {arm:6s} conc {c:3d}: {rec['out_tok_s'] / base['out_tok_s']:.2f}x bf16 "
+                  f"(load {rec['load_s']:.0f} s vs {base['load_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

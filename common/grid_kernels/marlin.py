@@ -1,0 +1,179 @@
+"""The fast path on Hopper: activations quantize-dequantized TE-exactly, then a weight-only
+MXFP8 GEMM -- which is then the learner's grid GEMM.
+
+Why it is exact.  ``qdq(x)`` (``kernels/qdq_triton.qdq_rows``) is x's grid values: E4M3 codes
+times a power of two, exact in bf16 (blocks with scale byte >= 3).  W's grid values are the
+same kind of number.  Products of two such bf16 values are exact in FP32, and the kernels
+below sum them in FP32 and round once to bf16: the learner's grid forward, up to FP32
+summation order -- the tolerance TE's own GEMMs have.
+
+Two GEMMs, chosen per call by the number of rows M (``prefill_crossover``, an option):
+
+* M < crossover: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K; engine-provided,
+  ``providers.get("marlin")``), with FP32 global reduction and no atomics;
+* M >= crossover: W decoded once per call into a bf16 scratch tensor
+  (``kernels/dequant_triton``, 3 bytes of traffic per weight) and cuBLAS, with
+  ``allow_bf16_reduced_precision_reduction`` off so that split-K partials are reduced in FP32.
+
+Derived tensors (allocated once, rewritten in place on every update, registered for the
+``derived_state`` check): ``grid_marlin_weight`` (int32, Marlin's tiled layout) and
+``grid_marlin_scale`` (E8M0 bytes, Marlin's permuted layout).  The permutation is pure byte
+movement (no dtype round trip): :func:`marlin_scales`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import format as F
+from . import providers
+from .base import GridKernel, LayerSpec
+
+#: default M from which the dense layer takes the dequantize + cuBLAS path
+DEFAULT_PREFILL_CROSSOVER = 1024
+
+_SCALE_PERM = [i + 8 * j for i in range(8) for j in range(8)]     # vLLM get_scale_perms()[0]
+_E8M0_PAIR_ORDER = [0, 2, 1, 3]                                    # vLLM mxfp8_marlin_process_scales
+
+
+def marlin_shape_ok(n: int, k: int) -> bool:
+    """Marlin's thread tiles without padding: (n % 64, k % 128) or (n % 128, k % 64)."""
+    return (n % 64 == 0 and k % 128 == 0) or (n % 128 == 0 and k % 64 == 0)
+
+
+def marlin_scales(s: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 scales [N, K/32] -> Marlin's layout [K/32, N] (uint8), by index permutation only.
+
+    The same bytes vLLM's ``marlin_permute_scales`` + ``mxfp8_marlin_process_scales`` produce
+    (they round-trip through the model dtype, which is exact for E8M0 255 > byte > 0 and 0)."""
+    n, g = s.shape
+    t = s.t().contiguous().reshape(-1, len(_SCALE_PERM))[:, _SCALE_PERM].reshape(-1, n)
+    return t.reshape(-1, 4)[:, _E8M0_PAIR_ORDER].reshape(g, n).contiguous()
+
+
+def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
+    """fp8 [N, K] -> Marlin's tiled int32 layout (``gptq_marlin_repack``, 8 bits)."""
+    n, k = w.shape
+    q = w.contiguous().view(torch.int32).t().contiguous()        # [K/4, N], 4 codes per int32 along K
+    return ops.repack(q, k, n)
+
+
+def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x_grid (bf16 grid values) @ W^T with W decoded to a bf16 scratch, cuBLAS, FP32 reduction."""
+    from ..kernels.dequant_triton import dequant_rows_bf16
+    wb = dequant_rows_bf16(weight, weight_scale_inv)
+    m = torch.backends.cuda.matmul
+    prev = m.allow_bf16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = False
+    try:
+        return torch.mm(x_grid, wb.t())
+    finally:
+        m.allow_bf16_reduced_precision_reduction = prev
+
+
+@torch.library.custom_op("mxfp8_learner_grid::linear_marlin", mutates_args=())
+def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
+                  weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): qdq(x), then Marlin (M < crossover) or dequantize + cuBLAS."""
+    from ..kernels.qdq_triton import qdq_rows
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    a = qdq_rows(x2, torch.bfloat16)
+    if m >= crossover:
+        y = dequant_cublas(a, weight, weight_scale_inv)
+    else:
+        y = providers.get("marlin").gemm(a, marlin_w, marlin_s, workspace, n, k)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@linear_marlin.register_fake
+def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _marlin_supported(spec: LayerSpec) -> tuple[bool, str]:
+    if spec.device_type != "cuda":
+        return False, "not a CUDA device"
+    if providers.get("marlin") is None:
+        return False, "the engine provides no MXFP8 Marlin ops"
+    if spec.capability is not None and spec.capability < (8, 9):
+        return False, f"compute capability {spec.capability} < 8.9 (the activation qdq needs FP8 conversions)"
+    from ..kernels import _have_triton
+    if not _have_triton():
+        return False, "Triton is not installed (activation qdq)"
+    return True, ""
+
+
+class MarlinLinear(GridKernel):
+    name = "marlin"
+    kind = "linear"
+
+    @classmethod
+    def is_supported(cls, spec):
+        return _marlin_supported(spec)
+
+    @classmethod
+    def can_implement(cls, spec):
+        if spec.act_dtype != torch.bfloat16:
+            return False, (f"activations are {spec.act_dtype}: the grid values of x are exact in bf16 only "
+                           "(fp16 cannot hold small blocks exactly)")
+        if spec.has_bias:
+            return False, "a bias (the Marlin path has no FP32 bias epilogue)"
+        if not marlin_shape_ok(spec.n, spec.k):
+            return False, f"shape N={spec.n}, K={spec.k} is not a Marlin tile multiple"
+        return True, ""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
+
+    def derived_names(self, layer):
+        return ("grid_marlin_weight", "grid_marlin_scale")
+
+    def process_weights_after_loading(self, layer) -> None:
+        ops = providers.get("marlin")
+        check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
+        if not hasattr(layer, "grid_marlin_weight"):
+            layer.register_buffer("grid_marlin_weight", marlin_weight(ops, layer.weight), persistent=False)
+            layer.register_buffer("grid_marlin_scale", marlin_scales(layer.weight_scale_inv), persistent=False)
+            layer.register_buffer("grid_marlin_workspace", ops.workspace(layer.weight.device), persistent=False)
+        else:
+            self.refresh(layer)
+
+    def refresh(self, layer, experts=None) -> None:
+        ops = providers.get("marlin")
+        with torch.no_grad():
+            layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
+            layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
+
+    def derived(self, layer):
+        ops = providers.get("marlin")
+        return {"grid_marlin_weight": (layer.grid_marlin_weight, lambda: marlin_weight(ops, layer.weight)),
+                "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv))}
+
+    def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
+        return torch.ops.mxfp8_learner_grid.linear_marlin(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
+                                                           layer.grid_marlin_workspace, layer.weight,
+                                                           layer.weight_scale_inv, self.crossover)
+
+    def describe(self):
+        return f"marlin (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
+
+
+def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:
+    """Warn-free guard: a non-zero weight block with scale byte < 3 is not exact in bf16 (amax <= ~1e-35).
+    Such weights do not occur in trained models; refuse them loudly rather than compute off the grid."""
+    from ..kernels.qdq_triton import BF16_EXACT_MIN_SCALE
+    low = scales < BF16_EXACT_MIN_SCALE
+    if not bool(low.any()):
+        return
+    blocks = weight.view(torch.uint8).reshape(*scales.shape, F.BLOCK_SIZE) & 0x7F
+    bad = low & (blocks != 0).any(-1)
+    if bool(bad.any()):
+        raise ValueError(f"{prefix}: {int(bad.sum())} weight blocks have E8M0 scale byte < {BF16_EXACT_MIN_SCALE} "
+                         "(block amax <= ~1e-35): not exact in the bf16 fast path; choose kernel 'triton'")

@@ -1,0 +1,165 @@
+"""Fused MoE experts on the grid through vLLM's MXFP8 Marlin MoE GEMM (the fast path on Hopper).
+
+The layer is computed in the reference's order (``ops.moe_reference``), with exact operands:
+
+1. x's grid values, ``qdq(x)`` (bf16, TE-exact);
+2. gate_up = Marlin MoE GEMM over the expert-sorted token slots (FP32 accumulation, rounded
+   once to bf16);
+3. ``silu(gate) * up`` in bf16 (torch's own ops, as the reference), then its grid values
+   ``qdq(.)`` -- the SiLU*up intermediate is quantized TE-exactly between the two GEMMs;
+4. down = Marlin MoE GEMM (rounded once to bf16);
+5. the router weights applied in FP32 and the top-k slots summed in FP32, then one cast.
+
+What Marlin would otherwise do differently, and is avoided here (vLLM 0.26 source):
+``mul_topk_weights`` multiplies in bf16 after rounding (so it stays off); bf16 atomic adds
+(``use_atomic_add`` stays off; FP32 global reduction on); ``moe_align_block_size`` orders the
+tokens of an expert with atomics on large batches, which can move a token to another block
+and change its bits between runs -- the slots are re-sorted within each expert segment
+(:func:`deterministic_order`), graph-safe, no host sync.  Slots routed to other ranks' experts
+(expert parallel) are never written by Marlin and are masked out of the sum.
+
+Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
+``grid_marlin_w13_scale`` / ``grid_marlin_w2_scale`` (permuted E8M0 bytes); a refresh after a
+write rebuilds only the written experts, in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as Fn
+
+from . import providers
+from .base import GridKernel
+from .marlin import _marlin_supported, check_bf16_exact_weights, marlin_scales, marlin_weight
+
+_BLOCK_SIZES = (8, 16, 32, 48, 64)
+
+
+def block_size_m(m: int, topk: int, local_experts: int, global_experts: int) -> int:
+    """vLLM's ``fused_marlin_moe`` choice of the token block (0.26.0, marlin_moe.py)."""
+    if global_experts != local_experts:
+        m = -(-m * local_experts // global_experts)
+    for bs in _BLOCK_SIZES:
+        if m * topk / local_experts / bs < 0.9:
+            return bs
+    return _BLOCK_SIZES[-1]
+
+
+def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block: int, numel: int) -> torch.Tensor:
+    """Sort the slot ids inside each expert's segment (padding sentinels ``numel`` stay last), so
+    that the order no longer depends on the atomics of ``moe_align_block_size``."""
+    n = sorted_ids.numel()
+    # segment number of each block: +1 wherever the expert changes, so it only grows along the
+    # array and sorting by (segment, slot id) never moves a segment, whatever the expert order
+    change = torch.ones_like(expert_ids, dtype=torch.int64)
+    change[1:] = (expert_ids[1:] != expert_ids[:-1]).to(torch.int64)
+    seg = torch.cumsum(change, 0).repeat_interleave(block)[:n]
+    key = seg * (numel + 1) + sorted_ids.to(torch.int64)
+    return (torch.sort(key).values - seg * (numel + 1)).to(sorted_ids.dtype)
+
+
+@torch.library.custom_op("mxfp8_learner_grid::moe_marlin", mutates_args=())
+def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
+               workspace: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               expert_map: Optional[torch.Tensor], global_num_experts: int, intermediate: int) -> torch.Tensor:
+    from ..kernels.qdq_triton import qdq_rows
+    ops = providers.get("marlin")
+    m, h = x.shape
+    if m == 0:
+        return torch.zeros_like(x)
+    topk = topk_ids.shape[1]
+    e_local = w13.shape[0]
+    bs = block_size_m(m, topk, e_local, global_num_experts)
+    sorted_ids, expert_ids, ntpp = ops.moe_align(topk_ids, bs, global_num_experts, expert_map)
+    sorted_ids = deterministic_order(sorted_ids, expert_ids, bs, topk_ids.numel())
+    tw = topk_weights.to(torch.float32)
+    a = qdq_rows(x, torch.bfloat16)
+    gu = ops.moe_gemm(a, w13, w13_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, topk,
+                      size_m=m, size_n=2 * intermediate, size_k=h)
+    g, u = gu.view(m * topk, 2 * intermediate).chunk(2, dim=-1)
+    act = qdq_rows(Fn.silu(g) * u, torch.bfloat16)
+    d = ops.moe_gemm(act, w2, w2_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, 1,
+                     size_m=m * topk, size_n=h, size_k=intermediate)
+    valid = (topk_ids >= 0) if expert_map is None else (expert_map[topk_ids.to(torch.int64)] >= 0)
+    d = d.view(m, topk, h).to(torch.float32) * tw[..., None]
+    d = torch.where(valid[..., None], d, torch.zeros((), dtype=d.dtype, device=d.device))
+    return d.sum(dim=1).to(x.dtype)
+
+
+@moe_marlin.register_fake
+def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, global_num_experts, intermediate):
+    return torch.empty_like(x)
+
+
+class MarlinMoE(GridKernel):
+    name = "marlin"
+    kind = "moe"
+
+    @classmethod
+    def is_supported(cls, spec):
+        ok, why = _marlin_supported(spec)
+        if ok and not hasattr(providers.get("marlin"), "moe_gemm"):
+            return False, "the engine provides no Marlin MoE op"
+        return ok, why
+
+    @classmethod
+    def can_implement(cls, spec):
+        if spec.act_dtype != torch.bfloat16:
+            return False, f"activations are {spec.act_dtype}: the grid values of x are exact in bf16 only"
+        i, h = spec.intermediate, spec.k
+        if i % 64 or h % 128:
+            return False, f"intermediate {i} / hidden {h} are not Marlin MoE tile multiples (64 / 128)"
+        return True, ""
+
+    def derived_names(self, layer):
+        return ("grid_marlin_w13", "grid_marlin_w2", "grid_marlin_w13_scale", "grid_marlin_w2_scale")
+
+    # per expert: the packed weight and the permuted scales of w13 / w2
+    def _build(self, layer, which: str, e: int):
+        ops = providers.get("marlin")
+        w, s = getattr(layer, f"{which}_weight")[e], getattr(layer, f"{which}_weight_scale_inv")[e]
+        return marlin_weight(ops, w), marlin_scales(s)
+
+    def _stack(self, layer, which: str):
+        parts = [self._build(layer, which, e) for e in range(getattr(layer, f"{which}_weight").shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+    def process_weights_after_loading(self, layer) -> None:
+        for which in ("w13", "w2"):
+            check_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
+                                     f"{self.spec.prefix}.{which}")
+        if not hasattr(layer, "grid_marlin_w13"):
+            for which in ("w13", "w2"):
+                w, s = self._stack(layer, which)
+                layer.register_buffer(f"grid_marlin_{which}", w, persistent=False)
+                layer.register_buffer(f"grid_marlin_{which}_scale", s, persistent=False)
+            layer.register_buffer("grid_marlin_workspace", providers.get("marlin").workspace(layer.w13_weight.device, 4),
+                                  persistent=False)
+        else:
+            self.refresh(layer)
+
+    def refresh(self, layer, experts=None) -> None:
+        n = layer.w13_weight.shape[0]
+        with torch.no_grad():
+            for e in (range(n) if experts is None else experts):
+                for which in ("w13", "w2"):
+                    w, s = self._build(layer, which, e)
+                    getattr(layer, f"grid_marlin_{which}")[e].copy_(w)
+                    getattr(layer, f"grid_marlin_{which}_scale")[e].copy_(s)
+
+    def derived(self, layer):
+        out = {}
+        for which in ("w13", "w2"):
+            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
+                                           lambda which=which: self._stack(layer, which)[0])
+            out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
+                                                 lambda which=which: self._stack(layer, which)[1])
+        return out
+
+    def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
+        e_global = int(expert_map.shape[0]) if expert_map is not None else int(layer.w13_weight.shape[0])
+        return torch.ops.mxfp8_learner_grid.moe_marlin(
+            x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
+            layer.grid_marlin_workspace, topk_weights, topk_ids, expert_map, e_global, layer.w2_weight.shape[2])

@@ -1,0 +1,24 @@
+"""Kernels an engine ships, handed to ``common`` as plain callables (``common`` imports no engine).
+
+The vLLM plugin registers vLLM's MXFP8 Marlin ops here (``vllm_plugin/compat.py``); the
+SGLang plugin registers them too when vLLM's ops are importable beside SGLang.  A kernel
+that needs a provider declares it in ``is_supported``; without it the chooser moves on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_PROVIDERS: dict[str, Any] = {}
+
+
+def register(name: str, ops: Any) -> None:
+    _PROVIDERS[name] = ops
+
+
+def get(name: str) -> Optional[Any]:
+    return _PROVIDERS.get(name)
+
+
+def unregister(name: str) -> None:
+    _PROVIDERS.pop(name, None)

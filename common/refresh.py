@@ -1,0 +1,84 @@
+"""Derived tensors follow every write into an on-grid parameter, whoever writes it.
+
+A kernel may keep tensors derived from a layer's parameters (a dequantized fp32 copy on CPU,
+a Marlin-packed weight and permuted scales on the GPU).  Those copies must never go stale:
+a trainer that pushes weights through the engine's own ``model.load_weights`` (as most RL
+frameworks do), a direct call of a layer's weight loader, SGLang's ``update_weights_from_*``
+and this project's update session all write through the loader wrappers of
+``common.loading``, which call :func:`mark_written` after each write.
+
+* Outside a :func:`deferred_refresh` scope, the written layer's derived tensors are rebuilt
+  at once (MoE: only the written expert), in place -- storage never moves, so captured CUDA
+  graphs stay valid.  One loader call leaves the layer consistent before anything can run a
+  forward.
+* Inside a scope (the update session wraps each bucket in one; so may any caller that writes
+  many shards in a row), writes only mark layers stale, and the scope's exit rebuilds each
+  stale layer once.  The exit rebuilds even when the body raised: derived tensors always
+  describe the bytes the parameters hold.
+
+Before ``process_weights_after_loading`` (the engine's first load) nothing is derived yet
+and writes are only counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterable, Optional
+
+_state = threading.local()
+
+#: a stale mark that covers the whole layer (dense layers; MoE writes without an expert id)
+WHOLE = None
+
+
+def _scope_stack() -> list:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+def has_derived(layer) -> bool:
+    kernel = getattr(layer, "grid_kernel", None)
+    return bool(getattr(layer, "grid_processed", False) and kernel is not None and kernel.derived_names(layer))
+
+
+def mark_written(layer, expert: Optional[int] = WHOLE) -> None:
+    """A loader wrote into ``layer``'s on-grid parameters (MoE: into local ``expert``)."""
+    if not has_derived(layer):
+        return
+    stack = _scope_stack()
+    if stack:
+        stack[-1].setdefault(id(layer), (layer, set()))[1].add(expert)
+        return
+    refresh_layer(layer, [expert])
+
+
+def refresh_layer(layer, experts: Optional[Iterable] = None) -> None:
+    """Rebuild ``layer``'s derived tensors in place (``experts``: local expert ids to rebuild,
+    ``None`` or a set holding :data:`WHOLE`: everything)."""
+    kernel = getattr(layer, "grid_kernel", None)
+    if kernel is None or not getattr(layer, "grid_processed", False):
+        return
+    experts = None if experts is None else set(experts)
+    if experts is not None and WHOLE in experts:
+        experts = None
+    kernel.refresh(layer, None if experts is None else sorted(experts))
+
+
+@contextlib.contextmanager
+def deferred_refresh():
+    """Writes inside only mark layers stale; leaving the outermost scope rebuilds each once."""
+    stack = _scope_stack()
+    stale: dict = {}
+    stack.append(stale)
+    try:
+        yield stale
+    finally:
+        stack.pop()
+        if stack:                                   # nested: the outer scope rebuilds
+            for key, (layer, experts) in stale.items():
+                stack[-1].setdefault(key, (layer, set()))[1].update(experts)
+        else:
+            for layer, experts in stale.values():
+                refresh_layer(layer, experts)

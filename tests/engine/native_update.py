@@ -1,0 +1,101 @@
+"""A trainer that never imports this project updates a live engine (run by test_vllm_native_update.py).
+
+    python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto"}'
+
+As RL frameworks do it today: ``llm.collective_rpc(fn)`` where ``fn(worker)`` calls
+``worker.model_runner.model.load_weights(weights=iter(pairs))`` with HF-named BF16-representable
+tensors -- first every tensor of model B (full update), then only decoder layer 0 of model A
+(partial update).  After each, prompt logprobs are compared with the learner's grid forward of
+the weights the engine should now hold (float32), and the untouched layers' parameter digests
+with what they were.  Prints one ``RESULT {...}`` line.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sync_scenarios import learner_fn, load_dir, maxdiff  # noqa: E402
+
+
+def push(pairs):
+    """The function a trainer ships to every worker: the engine's own loader, nothing of ours."""
+    def fn(worker):
+        model = worker.model_runner.model if hasattr(worker.model_runner, "model") else worker.model_runner.get_model()
+        model.load_weights(weights=iter(pairs))
+        return True
+    return fn
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    from safetensors.torch import load_file, save_file
+    from mxfp8_learner_grid.common.tiny_model import save_model
+    from vllm import LLM
+
+    root, moe = spec["root"], spec["kind"] == "moe"
+    a = str(save_model(os.path.join(root, "A"), moe=moe, seed=0))
+    b = str(save_model(os.path.join(root, "B"), moe=moe, seed=1))
+    wa, wb = load_dir(a), load_dir(b)
+    # the mixed model a partial update must produce: B everywhere, layer 0 from A
+    mixed = os.path.join(root, "M")
+    os.makedirs(mixed, exist_ok=True)
+    for f in os.listdir(b):
+        if not f.endswith(".safetensors"):
+            with open(os.path.join(b, f), "rb") as src, open(os.path.join(mixed, f), "wb") as dst:
+                dst.write(src.read())
+    layer0 = {n: t for n, t in wa.items() if n.startswith("model.layers.0.")}
+    full_b = {}
+    for f in sorted(os.listdir(b)):
+        if f.endswith(".safetensors"):
+            full_b.update(load_file(os.path.join(b, f)))
+    for n, t in layer0.items():
+        full_b[n] = t.to(full_b[n].dtype)
+    for f in os.listdir(mixed):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(mixed, f))
+    save_file(full_b, os.path.join(mixed, "model.safetensors"))
+
+    learner = {"A": learner_fn(a), "B": learner_fn(b), "M": learner_fn(mixed)}
+    prompts = [[5, 17, 100, 3, 250, 9, 44, 12, 300, 7, 61, 2], [200, 201, 202, 19, 8, 77, 140, 33, 90, 11]]
+    overrides = {"quantization_config_dict_json": json.dumps({"kernel": spec.get("kernel", "auto")})}
+    llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype="float32", enforce_eager=True, max_model_len=256,
+              gpu_memory_utilization=0.1, seed=0, hf_overrides=overrides)
+    from vllm import SamplingParams
+
+    def engine_lp():
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+        return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in res]
+
+    from mxfp8_learner_grid.vllm_plugin import inspect
+
+    def state():
+        return llm.apply_model(inspect.param_digests)[0]
+
+    out = {"start_vs_A": maxdiff(engine_lp(), learner["A"](prompts))}
+    llm.collective_rpc(push(list(wb.items())))
+    lp = engine_lp()
+    out["full_vs_B"], out["full_vs_A"] = maxdiff(lp, learner["B"](prompts)), maxdiff(lp, learner["A"](prompts))
+    before = state()
+    llm.collective_rpc(push(list(layer0.items())))
+    after = state()
+    lp = engine_lp()
+    out["partial_vs_M"], out["partial_vs_B"] = maxdiff(lp, learner["M"](prompts)), maxdiff(lp, learner["B"](prompts))
+    out["untouched_changed"] = sorted(n for n in before if ".layers.0." not in n and before[n] != after[n])
+    out["touched_unchanged"] = sorted(n for n in before if ".layers.0." in n and n.endswith("weight")
+                                      and before[n] == after[n])
+    out["kernels"] = sorted(set(llm.apply_model(inspect.grid_kernels)[0].values()))
+    print("RESULT " + json.dumps(out), flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

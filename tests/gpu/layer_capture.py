@@ -1,0 +1,146 @@
+"""Per-layer exactness inside a served vLLM model on the GPU (a script, not a pytest test).
+
+    PYTHONPATH=tests/gpu:$PYTHONPATH python tests/gpu/layer_capture.py --shape qwen3-8b --layers 2 --out x.json
+
+Starts vLLM (bf16, ``load_format="dummy"`` grid weights of the real layer shapes, eager so that
+Python sees every call), wraps every on-grid layer's kernel ``apply`` to record its inputs and
+output for the first calls (a prefill of ``--prefill`` tokens, one above the prefill crossover,
+and decode steps), then recomputes each recorded call with the CPU reference
+(``mxfp8_linear_reference`` / ``ops.moe_reference``) from the very input the layer received.
+Dense layers: bf16 output vs the reference (fp32 accumulation rounded once) -- share of equal
+elements and the largest distance in bf16 ulps.  MoE: relative error and share within 1 ulp.
+The wrappers are installed by this script (test machinery), never by the plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+CAP: dict = {}
+MAX_CALLS = 4
+
+
+def install(model):
+    """Runs in the worker (pickled by reference: this module is on the worker's path)."""
+    n = 0
+    for name, m in model.named_modules():
+        kern = getattr(m, "grid_kernel", None)
+        if kern is None:
+            continue
+        orig = type(kern).apply
+
+        def wrapped(layer, x, *args, _orig=orig, _kern=kern, _name=name, **kw):
+            y = _orig(_kern, layer, x, *args, **kw)
+            calls = CAP.setdefault(_name, [])
+            if len(calls) < MAX_CALLS:
+                calls.append({"x": x.detach().cpu().clone(), "args": [a.detach().cpu().clone() if isinstance(a, torch.Tensor)
+                                                                     else a for a in args],
+                              "y": y.detach().cpu().clone(), "kernel": _kern.describe()})
+            return y
+        kern.apply = wrapped
+        n += 1
+    return n
+
+
+def collect(model):
+    out = {}
+    params = {}
+    for name, m in model.named_modules():
+        if name in CAP:
+            if hasattr(m, "weight") and m.weight.dtype == torch.float8_e4m3fn:
+                params[name] = {"weight": m.weight.detach().cpu(), "weight_scale_inv": m.weight_scale_inv.detach().cpu()}
+            else:
+                params[name] = {k: getattr(m, k).detach().cpu() for k in
+                                ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")}
+                params[name]["expert_map"] = None if m.expert_map is None else m.expert_map.detach().cpu()
+            out[name] = CAP[name]
+    return {"calls": out, "params": params}
+
+
+def ulps(a, b):
+    def key(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    return (key(a) - key(b)).abs()
+
+
+def check(data):
+    from mxfp8_learner_grid.common.linear import mxfp8_linear_reference
+    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
+    rows = []
+    for name, calls in data["calls"].items():
+        p = data["params"][name]
+        for c in calls:
+            x, y = c["x"], c["y"]
+            if "weight" in p:
+                ref = mxfp8_linear_reference(x, p["weight"], p["weight_scale_inv"])
+                d = ulps(y, ref)
+                rows.append({"layer": name, "kernel": c["kernel"], "m": int(x.reshape(-1, x.shape[-1]).shape[0]),
+                             "equal": round((d == 0).float().mean().item(), 5), "max_ulp": int(d.max().item())})
+            else:
+                tw, ids = c["args"][0], c["args"][1]
+                ref = moe_reference(x, p["w13_weight"], p["w13_weight_scale_inv"], p["w2_weight"],
+                                    p["w2_weight_scale_inv"], tw, local_expert_ids(ids, p["expert_map"]))
+                d = ulps(y, ref)
+                rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+                rows.append({"layer": name, "kernel": c["kernel"], "m": int(x.shape[0]), "rel": rel,
+                             "within_1ulp": round((d <= 1).float().mean().item(), 5), "max_ulp": int(d.max().item())})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=1100)
+    ap.add_argument("--out", default="layers.json")
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "benchmarks"))
+    from bench_e2e import make_model_dir
+    import transformers
+    from vllm import LLM, SamplingParams
+    d = make_model_dir(args.shape)
+    cfg = transformers.AutoConfig.from_pretrained(d)
+    cfg.num_hidden_layers = args.layers
+    cfg.save_pretrained(d)
+    llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", quantization="mxfp8-learner-grid",
+              enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=4)
+    import layer_capture
+    n = llm.apply_model(layer_capture.install)[0]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1000, 100000, (args.prefill,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False, temperature=0)
+    llm.generate([{"prompt_token_ids": prompt[:300]}], sp, use_tqdm=False)      # Marlin at prefill, then decode
+    llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)            # above the crossover: cuBLAS
+    data = llm.apply_model(layer_capture.collect)[0]
+    rows = check(data)
+    dense = [r for r in rows if "equal" in r]
+    moe = [r for r in rows if "rel" in r]
+    summary = {"shape": args.shape, "wrapped_layers": n, "calls": len(rows),
+               "dense_min_equal": min((r["equal"] for r in dense), default=None),
+               "dense_max_ulp": max((r["max_ulp"] for r in dense), default=None),
+               "moe_max_rel": max((r["rel"] for r in moe), default=None),
+               "moe_min_within_1ulp": min((r["within_1ulp"] for r in moe), default=None),
+               "kernels": sorted({r["kernel"] for r in rows}), "ms": sorted({r["m"] for r in rows})}
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    ok = (not dense or (summary["dense_min_equal"] >= 0.99 and summary["dense_max_ulp"] <= 1)) and \
+         (not moe or (summary["moe_max_rel"] < 2e-3 and summary["moe_min_within_1ulp"] >= 0.98))
+    print("LAYERS_EXACT" if ok else "LAYERS_NOT_EXACT", flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The kernel chooser, the derived-tensor refresh and the pieces of the fast path that run on a CPU.
+
+The GPU kernels themselves are checked in tests/gpu/test_fast_path.py; here: the scale
+permutation against vLLM's own (pure torch) functions, the deterministic slot order, the
+weight-decode kernel under Triton's interpreter, and the chooser's fallbacks and errors.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers
+from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_scales
+from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m, deterministic_order
+from mxfp8_learner_grid.common.refresh import deferred_refresh, mark_written
+
+
+def spec(**kw):
+    base = dict(prefix="model.layers.0.mlp.down_proj", kind="linear", device_type="cpu", act_dtype=torch.bfloat16,
+                n=256, k=512)
+    base.update(kw)
+    return LayerSpec(**base)
+
+
+def test_cpu_chooses_the_reference_and_forced_kernels_fail_loudly():
+    assert choose(spec()).name == "torch"
+    assert choose(spec(kind="moe", intermediate=128, num_experts=4)).name == "torch"
+    with pytest.raises(ValueError, match="down_proj.*marlin.*not a CUDA device"):
+        choose(spec(options={"kernel": "marlin"}))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        choose(spec(options={"kernel": "cutlass"}))
+
+
+def test_marlin_declines_what_it_cannot_compute_exactly():
+    from mxfp8_learner_grid.common.grid_kernels.marlin import MarlinLinear
+    assert not MarlinLinear.can_implement(spec(act_dtype=torch.float16))[0]      # fp16 cannot carry x's grid values
+    assert not MarlinLinear.can_implement(spec(has_bias=True))[0]
+    assert not MarlinLinear.can_implement(spec(n=96, k=96))[0]
+    assert MarlinLinear.can_implement(spec(n=6144, k=4096))[0]
+
+
+def test_scale_permutation_equals_vllms():
+    mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
+    fp8u = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_fp8")
+    for n, k in ((256, 512), (640, 2048), (128, 4096)):
+        s = torch.randint(1, 255, (n, k // 32), dtype=torch.uint8)
+        theirs = mu.marlin_permute_scales(s.view(torch.float8_e8m0fnu).to(torch.bfloat16).t().contiguous(), k, n, 32)
+        theirs = fp8u.mxfp8_marlin_process_scales(theirs).view(torch.uint8)
+        assert torch.equal(marlin_scales(s), theirs)
+
+
+def test_deterministic_order_sorts_within_each_expert_segment():
+    # two experts, block 4: segment of expert 1 then expert 0 then a -1 (other rank) block; sentinel = numel = 9
+    sorted_ids = torch.tensor([7, 2, 9, 9, 5, 0, 3, 9, 8, 6, 9, 9], dtype=torch.int32)
+    expert_ids = torch.tensor([1, 0, -1], dtype=torch.int32)
+    out = deterministic_order(sorted_ids, expert_ids, 4, 9)
+    assert out.tolist() == [2, 7, 9, 9, 0, 3, 5, 9, 6, 8, 9, 9]
+    assert block_size_m(1, 8, 128, 128) == 8 and block_size_m(4096, 8, 128, 128) == 64
+
+
+class _Kernel:
+    name = "fake"
+
+    def __init__(self):
+        self.calls = []
+
+    def derived_names(self, layer):
+        return ("d",)
+
+    def refresh(self, layer, experts=None):
+        self.calls.append(experts)
+
+
+def test_writes_refresh_at_once_or_once_per_scope():
+    layer = torch.nn.Module()
+    layer.grid_kernel, layer.grid_processed = _Kernel(), True
+    mark_written(layer)
+    mark_written(layer, 3)
+    assert layer.grid_kernel.calls == [None, [3]]           # outside a scope: at once
+    layer.grid_kernel.calls.clear()
+    with deferred_refresh():
+        mark_written(layer, 1)
+        mark_written(layer, 2)
+        with deferred_refresh():
+            mark_written(layer, 1)
+        assert layer.grid_kernel.calls == []
+    assert layer.grid_kernel.calls == [[1, 2]]              # once, only the written experts
+    layer.grid_kernel.calls.clear()
+    with pytest.raises(RuntimeError):
+        with deferred_refresh():
+            mark_written(layer)
+            raise RuntimeError("loader failed halfway")
+    assert layer.grid_kernel.calls == [None]                # still rebuilt: derived follows the bytes
+    layer.grid_processed = False
+    mark_written(layer)                                     # before processing: nothing derived yet
+    assert layer.grid_kernel.calls == [None]
+
+
+def test_reference_kernel_refresh_follows_new_bytes():
+    layer = torch.nn.Module()
+    wq, ws = quantize_rows(torch.randn(64, 128))
+    layer.weight = torch.nn.Parameter(wq, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
+    k = choose(spec(n=64, k=128, act_dtype=torch.float32))
+    k.process_weights_after_loading(layer)
+    layer.grid_kernel, layer.grid_processed = k, True
+    ptr = layer.weight_dequant.data_ptr()
+    x = torch.randn(3, 128)
+    nq, ns = quantize_rows(torch.randn(64, 128))
+    layer.weight.data.copy_(nq)
+    layer.weight_scale_inv.data.copy_(ns)
+    stale = {n for n, (t, b) in k.derived(layer).items() if not torch.equal(t, b())}
+    assert stale == {"weight_dequant"}                      # the registry sees a stale copy ...
+    mark_written(layer)
+    assert layer.weight_dequant.data_ptr() == ptr           # ... rebuilt in place
+    from mxfp8_learner_grid.common.linear import mxfp8_linear_reference
+    assert torch.equal(k.apply(layer, x), mxfp8_linear_reference(x, nq, ns))
+
+
+def test_provider_registry():
+    assert providers.get("nothing") is None
+    providers.register("x", object)
+    assert providers.get("x") is object
+    providers.unregister("x")
+
+
+DEQUANT = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import dequantize_blocks
+    from mxfp8_learner_grid.common.kernels.dequant_triton import dequant_rows_bf16
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((40, 96), (33, 544)):
+        q = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        q[(q & 0x7F) == 0x7F] = 0
+        s = torch.randint(0, 255, (n, k // 32), dtype=torch.uint8, generator=g)
+        s[0, 0] = 0; s[1, 0] = 1; s[2, 0] = 2; s[3, 0] = 254
+        got = dequant_rows_bf16(q.view(torch.float8_e4m3fn), s)
+        ref = dequantize_blocks(q.view(torch.float8_e4m3fn), s).to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k)
+    print("OK")
+""")
+
+
+def test_dequant_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", DEQUANT], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
