@@ -24,7 +24,7 @@ import tempfile
 import time
 
 
-def make_model_dir(shape):
+def make_model_dir(shape, layers=None):
     from transformers import Qwen3Config, Qwen3MoeConfig
     d = tempfile.mkdtemp(prefix=shape)
     if shape == "qwen3-8b":
@@ -40,6 +40,10 @@ def make_model_dir(shape):
     else:
         raise SystemExit(f"unknown shape {shape}")
     cfg.architectures = ["Qwen3ForCausalLM" if shape == "qwen3-8b" else "Qwen3MoeForCausalLM"]
+    if layers:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
     cfg.save_pretrained(d)
     return d
 

@@ -56,7 +56,7 @@ case "${1:-kernels}" in
     ;;
   layers) # per-layer exactness inside a served model (dense 8B shape, MoE 30B shape)
     for s in qwen3-8b qwen3-30b-a3b; do
-      PYTHONPATH=tests/gpu:$PYTHONPATH timeout 300 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
+      VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=tests/gpu:$PYTHONPATH timeout 280 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
         --out "$OUT/layers-$s.json" 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
     done
     ;;

@@ -31,8 +31,10 @@ from .. import format as F
 from . import providers
 from .base import GridKernel, LayerSpec
 
-#: default M from which the dense layer takes the dequantize + cuBLAS path
-DEFAULT_PREFILL_CROSSOVER = 1024
+#: default M from which the dense layer takes the dequantize + cuBLAS path.  Measured on the H200
+#: (benchmarks/bench_fast_path.py, 2026-12-01): for every Qwen3-8B projection Marlin wins at M <= 64
+#: and dequantize + cuBLAS from M = 256 (30B-A3B qkv: from 64); see BENCHMARKS.md.
+DEFAULT_PREFILL_CROSSOVER = 256
 
 _SCALE_PERM = [i + 8 * j for i in range(8) for j in range(8)]     # vLLM get_scale_perms()[0]
 _E8M0_PAIR_ORDER = [0, 2, 1, 3]                                    # vLLM mxfp8_marlin_process_scales

@@ -42,6 +42,22 @@ def exact_bf16(a_grid: torch.Tensor, w_grid: torch.Tensor) -> torch.Tensor:
     return (a_grid.double() @ w_grid.double().t()).to(torch.float32).to(torch.bfloat16)
 
 
+def check_fp32_accumulation(y, a_grid, w_grid):
+    """y (bf16) is the exact sum rounded once, up to FP32 summation order: at least 99 % of the
+    elements equal the exact result rounded to bf16, and every element lies within one bf16 ulp
+    plus the FP32 summation bound K * 2^-24 * sum|a_k w_k| (where a sum cancels to nearly zero,
+    summation order moves its tiny result by many of its own ulps -- TE's GEMMs do the same)."""
+    exact = a_grid.double() @ w_grid.double().t()
+    ref = exact.to(torch.float32).to(torch.bfloat16)
+    bound = a_grid.double().abs() @ w_grid.double().abs().t() * (a_grid.shape[-1] * 2.0 ** -24)
+    ulp = ref.double().abs() * 2.0 ** -7 + 2.0 ** -133
+    err = (y.double() - exact).abs()
+    equal = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+    worst = (err / (ulp + bound)).max().item()
+    assert equal >= 0.99 and worst <= 1.0, (equal, worst)
+    return equal
+
+
 def grid_layer(n, k, seed=0, scale=0.02):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * scale
@@ -98,8 +114,7 @@ def test_dense_exact(n, k, m):
     y = kern.apply(layer, x)
     w = dequantize_blocks(layer.weight, layer.weight_scale_inv)
     ref = exact_bf16(x_grid(x), w)
-    d = bf16_ulps(y, ref)
-    assert d.max().item() <= 1 and (d == 0).float().mean().item() >= 0.99, (d.max().item(), (d == 0).float().mean())
+    check_fp32_accumulation(y, x_grid(x), w)
     assert torch.equal(kern.apply(layer, x), y)                     # deterministic
     if m < 1024:    # negative control: Marlin on x itself (vLLM's mxfp8 W8A16) is not the grid
         raw = providers.get("marlin").gemm(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
@@ -124,9 +139,7 @@ def test_refresh_in_place_under_cuda_graph():
     refresh_layer(layer)
     assert [layer.grid_marlin_weight.data_ptr(), layer.grid_marlin_scale.data_ptr()] == ptrs
     graph.replay()
-    ref = exact_bf16(x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
-    d = bf16_ulps(y, ref)
-    assert d.max().item() <= 1 and (d == 0).float().mean().item() >= 0.99
+    check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
     stale = [n for n, (t, b) in kern.derived(layer).items() if not torch.equal(t, b())]
     assert stale == []
 
