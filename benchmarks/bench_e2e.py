@@ -95,7 +95,9 @@ def main():
     if args.worker:
         return worker(args.shape, args.worker, concs, opts)
     import vllm
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device copy of the tree may carry a stale .git: the caller can name the commit (GRID_COMMIT)
+    commit = os.environ.get("GRID_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                             capture_output=True, text=True).stdout.strip()
     rows = {}
     with open(args.out, "a") as f:
         for arm in args.arms.split(","):

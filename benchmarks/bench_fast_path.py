@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 
 import torch
@@ -38,6 +39,8 @@ L2_BYTES = 256 << 20
 
 
 def commit():
+    if os.environ.get("GRID_COMMIT"):        # the device copy of the tree may carry a stale .git
+        return os.environ["GRID_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except Exception:

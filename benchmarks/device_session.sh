@@ -8,7 +8,8 @@
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
 #   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
 #   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
-# Results go to $OUT.
+# Results go to $OUT.  Name the commit for the JSONL records: GRID_COMMIT=$(git rev-parse --short HEAD), set here
+# before the call (the device copy of the tree may carry a stale .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

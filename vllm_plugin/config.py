@@ -17,6 +17,9 @@ Options (all optional)::
     kv_cache_scales: optional      # or "required": fail the load if --kv-cache-dtype fp8 has no scales
     emulate: fp8_per_tensor        # STUDY ONLY: the selected modules on another FP8 grid instead
                                    # (common/emulation.py; fp8_per_tensor | fp8_block128), BF16 weights
+    kernel: auto                   # or marlin | triton | torch: force one grid kernel (common/grid_kernels)
+    prefill_crossover: 256         # rows from which dense layers switch Marlin -> W decode + cuBLAS
+    cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
 all of its Hugging Face shards (``q_proj``/``k_proj``/``v_proj``) are selected and none is
