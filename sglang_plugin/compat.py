@@ -12,7 +12,8 @@ test venv, torch 2.14.1).  Read in both wheels' sources:
 * ``QuantizeMethodBase.restore_weights_before_loading`` exists only in 0.5.23 (weight
   update sessions, ``begin_weight_update`` / ``end_weight_update``); 0.5.17's
   ``update_weights_from_tensor`` loads in place and runs no post-processing at all.
-  The plugin keeps no derived tensors, so both are correct (see linear_method.py).
+  Both are correct: the kernels' derived tensors are rewritten by the loaders after every
+  write (common.refresh), whether or not post-processing runs (see linear_method.py).
 * ``FusedMoE.weight_loader(param, w, weight_name, shard_id, expert_id)`` and its
   GROUP-scale routing (names containing "scale" go by ``param.quant_method``), the
   [w1; w3] order of ``w13`` (swapped only for ``load_up_proj_weight_first`` or for
@@ -130,3 +131,20 @@ __all__ = [
     "UnquantizedLinearMethod", "add_quantization_method_choices", "check_version", "kv_cache_dtype",
     "moe_runner_backend_ok", "quantization_registries", "set_weight_attrs", "standard_topk",
 ]
+
+
+def register_kernel_providers() -> None:
+    """SGLang ships no MXFP8 GEMM for Hopper.  Where vLLM's CUDA build is importable beside SGLang,
+    hand its Marlin ops to ``common.grid_kernels`` (the vLLM plugin's provider); otherwise the
+    chooser falls back to the project's Triton kernels on CUDA and the reference on CPU."""
+    from mxfp8_learner_grid.common.grid_kernels import providers
+    if providers.get("marlin") is not None:
+        return
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return
+        from mxfp8_learner_grid.vllm_plugin.compat import register_kernel_providers as vllm_providers
+    except Exception:
+        return
+    vllm_providers()

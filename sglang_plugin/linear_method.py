@@ -5,12 +5,16 @@ and ``weight_scale_inv`` uint8 [N, K/32], both with ``output_dim=0`` / ``input_d
 SGLang's own ``weight_loader`` of ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` /
 ``RowParallelLinear`` places and narrows the scales exactly like the data.
 
-Nothing is derived from the parameters: the forward (``torch.ops.mxfp8_learner_grid.linear``,
-the op the vLLM plugin calls) reads the compact scales as loaded.  So an update that
-writes new bytes in place is live at once -- in SGLang 0.5.17, whose
-``update_weights_from_tensor`` runs no post-processing, as in 0.5.23's update sessions --
-``process_weights_after_loading`` never reallocates and may run any number of times, and
-``restore_weights_before_loading`` has nothing to undo.
+The forward is the layer's kernel, chosen once by ``common.grid_kernels`` (the same chooser
+and kernels as the vLLM plugin's: the PyTorch reference on CPU, the Triton grid GEMMs on
+CUDA, and vLLM's Marlin with exact activation qdq where vLLM's ops are importable beside
+SGLang).  A kernel's derived tensors (the CPU fp32 weight copy, Marlin's packed weights) are
+allocated once and rewritten in place after every write through the loaders
+(``common.refresh``) -- so ``update_weights_from_tensor`` / ``_from_distributed`` /
+``_from_disk``, which all write through them, never leave a stale copy -- and again by
+``process_weights_after_loading``, which may run any number of times (0.5.23's
+``end_weight_update``) and never reallocates.  ``restore_weights_before_loading`` has nothing to
+undo: the parameters keep their wire layout.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
+from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec
 from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, new_grid_params,
                                                wrap_scale_loader, wrap_weight_loader, writes)
 
@@ -94,16 +100,25 @@ class LearnerGridLinearMethod(compat.LinearMethodBase):
                                                   _dense_shard_key, info)
         scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key, info)
         layer.grid_prefix = self.prefix
+        layer.grid_act_dtype = params_dtype
         layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
         writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
-        # First call (after the checkpoint): every shard of data and scales was written.
-        # Every call (also end_weight_update in 0.5.23): no scale holds E8M0 255.  No
-        # allocation, no repacking: the parameters are what the forward reads.
-        if not getattr(layer, "grid_processed", False):
+        # First call (after the checkpoint): every shard of data and scales was written, and the
+        # kernel is chosen.  Every call (also end_weight_update in 0.5.23): no scale holds E8M0
+        # 255, and the kernel's derived tensors are rewritten in place (never reallocated).
+        first = not getattr(layer, "grid_processed", False)
+        if first:
             check_complete(layer, self.prefix, layer.grid_expected_shards, PARAMS)
         check_no_nan_scales(layer, self.prefix, PARAMS)
+        if first:
+            compat.register_kernel_providers()
+            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "linear", layer.weight,
+                                                         layer.grid_act_dtype, n=layer.weight.shape[0],
+                                                         k=layer.weight.shape[1],
+                                                         has_bias=getattr(layer, "bias", None) is not None))
+        layer.grid_kernel.process_weights_after_loading(layer)       # derived tensors: allocate once, refresh
         layer.grid_processed = True
 
     def restore_weights_before_loading(self, layer) -> None:
@@ -111,4 +126,4 @@ class LearnerGridLinearMethod(compat.LinearMethodBase):
         return
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
+        return layer.grid_kernel.apply(layer, x, bias)

@@ -4,8 +4,8 @@ Layout as SGLang lays out its own experts: ``w13_weight`` [E, 2I, H] (w1 = gate 
 then w3 = up rows, as ``FusedMoE._load_w13`` fills it), ``w2_weight`` [E, H, I], and per-row
 E8M0 scales along K: ``w13_weight_scale_inv`` [E, 2I, H/32], ``w2_weight_scale_inv``
 [E, H, I/32], marked GROUP so ``FusedMoE.weight_loader`` shards them like the weights.
-The forward is common's ``torch.ops.mxfp8_learner_grid.moe`` (the op the vLLM plugin
-calls); there is no MoE runner.  The router (``mlp.gate``) stays off the grid: SGLang's
+The forward is the layer's kernel from ``common.grid_kernels`` (the chooser and kernels the
+vLLM plugin uses); there is no MoE runner.  The router (``mlp.gate``) stays off the grid: SGLang's
 Qwen3-MoE builds it without a quant config, and the default selection excludes it.
 """
 
@@ -15,6 +15,8 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
+from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
+from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec
 from mxfp8_learner_grid.common.loading import (SKIP, check_complete, check_no_nan_scales, new_grid_params, wrap_scale_loader,
                                                wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
@@ -89,6 +91,7 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
             s.weight_loader = wrap_scale_loader(layer, sname, base_loader, shard_key, shard_info)
         layer.grid_prefix = self.prefix
         layer.grid_num_local_experts = e
+        layer.grid_act_dtype = params_dtype
         writes(layer).clear()
 
     def create_moe_runner(self, layer, moe_runner_config) -> None:
@@ -98,12 +101,20 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
         return None                  # 0.5.23: "a direct kernel consuming standard TopK with local IDs"
 
     def process_weights_after_loading(self, layer) -> None:
-        if not getattr(layer, "grid_processed", False):
+        first = not getattr(layer, "grid_processed", False)
+        if first:
             e = layer.grid_num_local_experts
             for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
                 check_complete(layer, self.prefix, [(sh, x) for sh in shards for x in range(e)],
                                (wname, wname + "_scale_inv"))
         check_no_nan_scales(layer, self.prefix, PARAMS)
+        if first:
+            compat.register_kernel_providers()
+            e, two_i, h = layer.w13_weight.shape
+            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "moe", layer.w13_weight,
+                                                         layer.grid_act_dtype, n=two_i, k=h, intermediate=two_i // 2,
+                                                         num_experts=e))
+        layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 
     def restore_weights_before_loading(self, layer) -> None:
@@ -118,7 +129,5 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = compat.standard_topk(dispatch_output.topk_output)
         # the standard dispatcher already maps ids to this rank's experts (-1: elsewhere)
-        out = torch.ops.mxfp8_learner_grid.moe(
-            x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
-            topk_weights, topk_ids, None)
+        out = layer.grid_kernel.apply(layer, x, topk_weights, topk_ids, None)
         return compat.StandardCombineInput(hidden_states=out)

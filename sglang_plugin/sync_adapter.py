@@ -6,10 +6,12 @@ tells the session what SGLang's layout *should* have done with each tensor -- co
 the layer's own metadata (head counts, output sizes, TP rank, expert map), independently of
 the loader -- and which shards each on-grid layer must have received exactly once.
 
-Derived state: none.  The plugin's linear and MoE methods read ``weight`` /
-``weight_scale_inv`` as loaded (no swizzle, no repack, no dequantized copy), so the derived
-registry stays empty and ``restore_weights_before_loading`` has nothing to undo.  The only
-copies besides the parameters are the KV-cache method's host floats ``k_scale_float`` /
+Derived state: whatever each layer's kernel keeps (``common.grid_kernels``: the CPU fp32
+weight copy, Marlin's packed weights on a GPU), registered for the derived_state check on
+first use, rewritten in place by the loaders after every write and again by
+:meth:`after_load` (so a rollback, whose bytes return without the loaders, is covered too).
+``restore_weights_before_loading`` has nothing to undo: the parameters keep their wire layout.
+The other copies besides the parameters are the KV-cache method's host floats ``k_scale_float`` /
 ``v_scale_float``: :meth:`set_kv_scales` writes them with the tensors, and
 :meth:`kv_scale_values` reports the floats (what attention backends read), so a stale copy
 fails cache_coherence.
@@ -27,6 +29,7 @@ import torch
 
 from mxfp8_learner_grid.common.loading import writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
+from mxfp8_learner_grid.common.grid_kernels.layers import register_kernel_derived
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
@@ -54,7 +57,8 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         self.version = 0
         self.hf_config = hf_config if hf_config is not None else model.config
         self.quant_config = quant_config if quant_config is not None else getattr(model, "quant_config", None)
-        self.registry = DerivedRegistry()          # stays empty: nothing is derived (module docstring)
+        self.registry = DerivedRegistry()          # the kernels' derived tensors, registered on first use
+        self._registered = False
         self.partial = False
         self.faults: set[str] = set()
         self._sig = None
@@ -126,6 +130,9 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
                 qm.process_weights_after_loading(m)
 
     def derived(self):
+        if not self._registered:
+            register_kernel_derived(self._model, self.registry)
+            self._registered = True
         return self.registry
 
     # -- completeness -----------------------------------------------------------------------

@@ -26,7 +26,7 @@ def _updater(model):
 def test_update_session_then_inplace_update(sgl, learners):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
-    hf, _, bf16_0 = learners[True]
+    hf, wire_0, bf16_0 = learners[True]
     _, wire_1, _ = sgl.learner_and_wire(True, seed=1)
     _, wire_2, bf16_2 = sgl.learner_and_wire(True, seed=2)
     model = sgl.build_sglang_model(hf.config, LearnerGridConfig())
@@ -46,11 +46,23 @@ def test_update_session_then_inplace_update(sgl, learners):
     assert sgl.check_bytes(model, wire_1) == 16 and sgl.check_forward(model, wire_1) == 6
 
     # 0.5.17 style: update_weights_from_tensor with no session and no post-processing at all,
-    # BF16 this time (quantized on load): live at once, since nothing is derived
+    # BF16 this time (quantized on load): live at once -- the CPU kernel's derived fp32 weight
+    # copies are rewritten by the loaders as they write (common.refresh), not by post-processing
+    derived = {n: m.weight_dequant.data_ptr() for n, m in model.named_modules() if hasattr(m, "weight_dequant")}
+    assert len(derived) == 4, "the CPU kernel keeps a derived copy per dense layer (qkv, o x 2 layers)"
     ok, msg = u.update_weights_from_tensor(list(bf16_2.items()), load_format=None)
     assert ok, msg
     assert sgl.check_bytes(model, wire_2) == 16 and sgl.check_forward(model, wire_2) == 6
     assert all(p.data_ptr() == ptrs[n] for n, p in model.named_parameters()), "a parameter was reallocated"
+
+    # a partial native update (decoder layer 0 only): layer 0 computes the new bytes, the rest the old
+    part = [(n, t) for n, t in bf16_0.items() if n.startswith("model.layers.0.")]
+    ok, msg = u.update_weights_from_tensor(part, load_format=None)
+    assert ok, msg
+    mixed = {n: (wire_0 if n.startswith("model.layers.0.") else wire_2)[n] for n in wire_2}
+    assert sgl.check_bytes(model, mixed) == 16 and sgl.check_forward(model, mixed) == 6
+    assert {n: m.weight_dequant.data_ptr() for n, m in model.named_modules()
+            if hasattr(m, "weight_dequant")} == derived, "a derived copy was reallocated"
 
 
 def _attention(quant_config):
