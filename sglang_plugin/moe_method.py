@@ -11,12 +11,9 @@ Qwen3-MoE builds it without a quant config, and the default selection excludes i
 
 from __future__ import annotations
 
-import torch
-
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
-from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec
+from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
 from mxfp8_learner_grid.common.loading import (SKIP, check_complete, check_no_nan_scales, new_grid_params, wrap_scale_loader,
                                                wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
@@ -110,10 +107,7 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
         check_no_nan_scales(layer, self.prefix, PARAMS)
         if first:
             compat.register_kernel_providers()
-            e, two_i, h = layer.w13_weight.shape
-            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "moe", layer.w13_weight,
-                                                         layer.grid_act_dtype, n=two_i, k=h, intermediate=two_i // 2,
-                                                         num_experts=e))
+            layer.grid_kernel = choose_for_moe(self.quant_config, self.prefix, layer)
         layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
-from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec, register_kernel_derived
+from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_linear, register_kernel_derived
 from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, labels_only,
                                                new_grid_params, wrap_scale_loader, wrap_weight_loader, writes)
@@ -68,10 +67,7 @@ class GridLinearMethod(compat.LinearMethodBase):
             verify_loaded(layer, self.prefix, ("weight", "weight_scale_inv"), layer.grid_expected_shards)
         if first:
             compat.register_kernel_providers()
-            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "linear", layer.weight,
-                                                         layer.grid_act_dtype, n=layer.weight.shape[0],
-                                                         k=layer.weight.shape[1],
-                                                         has_bias=getattr(layer, "bias", None) is not None))
+            layer.grid_kernel = choose_for_linear(self.quant_config, self.prefix, layer)
         layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 

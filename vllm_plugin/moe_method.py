@@ -13,8 +13,7 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.grid_kernels import choose as choose_kernel
-from mxfp8_learner_grid.common.grid_kernels.layers import layer_spec
+from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
 from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.wire import WireFormatError
 
@@ -81,10 +80,7 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
                               [(sh, x) for sh in shards for x in range(e)])
         if first:
             compat.register_kernel_providers()
-            e, two_i, h = layer.w13_weight.shape
-            layer.grid_kernel = choose_kernel(layer_spec(self.quant_config, self.prefix, "moe", layer.w13_weight,
-                                                         layer.grid_act_dtype, n=two_i, k=h, intermediate=two_i // 2,
-                                                         num_experts=e))
+            layer.grid_kernel = choose_for_moe(self.quant_config, self.prefix, layer)
         layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .base import LayerSpec
+from .base import GridKernel, LayerSpec
 
 #: options a layer's kernel reads from quantization_config (see common/options.py)
 KERNEL_OPTION_KEYS = ("kernel", "prefill_crossover", "cpu_weight_cache")
@@ -32,6 +32,22 @@ def layer_spec(quant_config: Any, prefix: str, kind: str, weight: torch.Tensor, 
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     return LayerSpec(prefix=prefix, kind=kind, device_type=dev.type, act_dtype=act_dtype, capability=cap,
                      options=kernel_options(quant_config), **facts)
+
+
+def choose_for_linear(quant_config: Any, prefix: str, layer) -> "GridKernel":
+    """The kernel of an on-grid Linear (``weight`` [N, K] fp8), chosen once from the layer's facts."""
+    from . import choose
+    n, k = layer.weight.shape
+    return choose(layer_spec(quant_config, prefix, "linear", layer.weight, layer.grid_act_dtype, n=n, k=k,
+                             has_bias=getattr(layer, "bias", None) is not None))
+
+
+def choose_for_moe(quant_config: Any, prefix: str, layer) -> "GridKernel":
+    """The kernel of on-grid fused experts (``w13_weight`` [E, 2I, H] fp8), chosen once."""
+    from . import choose
+    e, two_i, h = layer.w13_weight.shape
+    return choose(layer_spec(quant_config, prefix, "moe", layer.w13_weight, layer.grid_act_dtype, n=two_i, k=h,
+                             intermediate=two_i // 2, num_experts=e))
 
 
 def register_kernel_derived(model: torch.nn.Module, registry) -> int:

