@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 
 from ..quantize import quantize_rows
+from .inputs import trainer_tensors
 from .manifest import Manifest
 from .recorder import backup_mode
 from .report import CheckResult, SyncReport
@@ -81,7 +82,7 @@ class GridSyncClient:
                        format: str = "bf16", version: Optional[int] = None, kv_scales: Optional[dict] = None,
                        partial: bool = False, truth: Optional[Mapping] = None, seed: Optional[int] = None,
                        flush_cache: bool = True) -> SyncReport:
-        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        named = trainer_tensors(named_tensors)          # transformers 5 fused experts -> per-expert views
         version = int(version if version is not None else self.version + 1)
         manifest = Manifest.of(named, version, format, partial,
                                {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)

