@@ -4,8 +4,10 @@
         --worker-extension-cls mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension \\
         --middleware mxfp8_learner_grid.vllm_plugin.http.GridUpdateMiddleware [--api-key KEY]
 
-Routes (off unless ``MXFP8_GRID_UPDATES=1``; with an API key set -- ``--api-key`` or
-``VLLM_API_KEY`` -- they need ``Authorization: Bearer KEY``):
+Routes (off unless ``MXFP8_GRID_UPDATES=1``; closed by default: without an API key --
+``--api-key`` or ``VLLM_API_KEY`` -- they answer 403 unless the server listens on loopback only,
+and with one they need ``Authorization: Bearer KEY``; ``grid_nccl_init`` joins only loopback or
+``MXFP8_GRID_NCCL_HOSTS`` rendezvous addresses, ``common/sync/security.py``):
 
     POST /grid/rpc                {"method": "grid_...", "args": ["...", ...]}
     POST /grid/pause              drain in-flight requests, hold new ones
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+
+from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
 STAGING_ENV = "MXFP8_GRID_STAGING_DIRS"
@@ -69,7 +73,12 @@ class GridUpdateMiddleware:
             if os.environ.get(ENABLE_ENV) != "1":
                 raise HTTPError(404, f"weight-update routes are off (set {ENABLE_ENV}=1)")
             app_state = scope["app"].state
-            self._auth(scope, app_state)
+            keys = self._keys(app_state)
+            try:
+                check_update_access(getattr(getattr(app_state, "args", None), "host", None), keys)
+            except Refused as exc:
+                raise HTTPError(403, str(exc)) from None
+            self._auth(scope, keys)
             body = await self._body(receive)
             client = app_state.engine_client
             path, method = scope["path"], scope.get("method", "GET")
@@ -105,6 +114,16 @@ class GridUpdateMiddleware:
             raise HTTPError(400, "args must be a list of strings")
         if method == "grid_update_load":
             self._check_source(args[0] if args else "")
+        if method == "grid_nccl_init":
+            try:
+                info = json.loads(args[0]) if args else None
+                host = info["host"]
+            except Exception:
+                raise HTTPError(400, "grid_nccl_init takes {\"host\", \"port\", \"world_size\", \"rank_offset\"}") from None
+            try:
+                check_rendezvous(str(host))
+            except Refused as exc:
+                raise HTTPError(403, str(exc)) from None
         if method in ("grid_update_begin",):
             try:
                 json.loads(args[0])
@@ -135,14 +154,19 @@ class GridUpdateMiddleware:
         if not os.path.isfile(path):
             raise HTTPError(400, f"bucket file {path} does not exist (truncated transfer?)")
 
-    def _auth(self, scope, app_state) -> None:
+    @staticmethod
+    def _keys(app_state) -> set:
         keys = set()
         env = os.environ.get("VLLM_API_KEY")
         if env:
             keys.add(env)
         args = getattr(app_state, "args", None)
-        for k in (getattr(args, "api_key", None) or []) if args is not None else []:
-            keys.update([k] if isinstance(k, str) else list(k))
+        api_key = getattr(args, "api_key", None) if args is not None else None
+        for k in ([api_key] if isinstance(api_key, str) else (api_key or [])):
+            keys.add(k)
+        return keys
+
+    def _auth(self, scope, keys: set) -> None:
         if not keys:
             return
         headers = dict(scope.get("headers") or [])

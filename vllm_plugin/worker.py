@@ -22,6 +22,7 @@ import os
 
 from mxfp8_learner_grid.common.sync.digest import fingerprint
 from mxfp8_learner_grid.common.sync.manifest import Manifest
+from mxfp8_learner_grid.common.sync.security import check_rendezvous
 from mxfp8_learner_grid.common.sync.session import UpdateSession
 from mxfp8_learner_grid.common.sync.transport import read_source
 
@@ -99,6 +100,7 @@ class GridWorkerExtension:
         is rank ``rank_offset + its engine rank`` (the trainer is rank 0)."""
         from .compat import nccl_group
         info = json.loads(info_json)
+        check_rendezvous(str(info["host"]))       # in-process callers too: loopback or MXFP8_GRID_NCCL_HOSTS
         rank = int(info.get("rank_offset", 1)) + self._grid().rank
         self._grid_nccl = nccl_group(info["host"], info["port"], rank, info["world_size"], self._device())
         return {"rank": self._grid().rank, "nccl_rank": rank}
