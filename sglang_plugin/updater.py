@@ -127,7 +127,8 @@ class GridWorker:
         self.received, self.load_error = [], None
         self.session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                      digest=opts.get("digest", "sampled"),
-                                     fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))
+                                     fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)),
+                                     verify=bool(opts.get("verify", False)))
         self.open = True
         self._shadow(True)
         return {"rank": ad.rank, "begun": True}

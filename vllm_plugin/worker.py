@@ -58,7 +58,8 @@ class GridWorkerExtension:
             prev.abort()                      # a session the client never finished: roll it back
         self._grid_session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                            digest=opts.get("digest", "sampled"),
-                                           fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)))
+                                           fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)),
+                                           verify=bool(opts.get("verify", False)))
         return {"rank": ad.rank, "begun": True}
 
     def grid_update_load(self, source_json: str) -> dict:

@@ -81,13 +81,15 @@ class GridSyncClient:
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        format: str = "bf16", version: Optional[int] = None, kv_scales: Optional[dict] = None,
                        partial: bool = False, truth: Optional[Mapping] = None, seed: Optional[int] = None,
-                       flush_cache: bool = True) -> SyncReport:
+                       flush_cache: bool = True, verify: bool = False) -> SyncReport:
         named = trainer_tensors(named_tensors)          # transformers 5 fused experts -> per-expert views
+        if verify:
+            version = self.version
         version = int(version if version is not None else self.version + 1)
         manifest = Manifest.of(named, version, format, partial,
                                {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)
-        opts = {"backup": self.backup, "digest": self.digest, "fraction": self.fraction,
-                "seed": version if seed is None else seed}
+        opts = {"backup": self.backup if not verify else (self.backup or "host"), "digest": self.digest,
+                "fraction": self.fraction, "seed": version if seed is None else seed, "verify": bool(verify)}
         report = SyncReport(version=version, applied=False)
         timings = report.timings
         t_all = time.perf_counter()
@@ -119,8 +121,16 @@ class GridSyncClient:
                                                           if self.digest != "off" else
                                                           ["not checked (digest='off')"]),
                                              time.perf_counter() - t0))
-            accept = report.error is None and not report.failed()
+            accept = report.error is None and not report.failed() and not verify
             commits = self.t.rpc("grid_update_commit", "1" if accept else "0")
+            if verify:                    # the engine keeps what it held: the replay was rolled back
+                report.extra["verified"] = report.error is None and not report.failed()
+                report.checks.append(self._versions(self.version))
+                self.t.resume()
+                paused = False
+                report.rolled_back = True
+                timings["total_s"] = time.perf_counter() - t_all
+                return report
             report.applied = accept and all(c["applied"] for c in commits)
             committed = report.applied
             report.rolled_back = not report.applied
@@ -155,6 +165,18 @@ class GridSyncClient:
                 self.t.resume()
         timings["total_s"] = time.perf_counter() - t_all
         return report
+
+    def verify_weights(self, named_tensors, format: str = "bf16", kv_scales: Optional[dict] = None,
+                       partial: bool = False, truth: Optional[Mapping] = None) -> SyncReport:
+        """The seven checks after weights were loaded some other way (a trainer's own
+        ``collective_rpc`` + ``model.load_weights``, vLLM's or SGLang's update APIs): the learner's
+        tensors are replayed through the engine's loaders under the recorder, every check runs, and
+        ``engine_as_found`` compares the bytes the engine held before the replay with the ones the
+        checked replay wrote, region by region, plus the derived tensors and KV scales as found.
+        The replay is always rolled back: the engine is left holding what it held (its derived
+        tensors rebuilt from those bytes).  ``report.extra["verified"]`` is the verdict."""
+        return self.update_weights(named_tensors, format=format, kv_scales=kv_scales, partial=partial, truth=truth,
+                                   flush_cache=False, verify=True)
 
     def _load_bucket(self, bucket) -> None:
         src = self.t.stage(bucket)

@@ -87,8 +87,11 @@ def _now() -> float:
 
 class UpdateSession:
     def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool | str = True, digest: str = "sampled",
-                 fraction: float = 0.05, seed: int = 0):
+                 fraction: float = 0.05, seed: int = 0, verify: bool = False):
         t0 = _now()
+        self.verify = bool(verify)
+        if self.verify and not backup:
+            backup = "host"                 # verification compares with, and restores, the bytes found
         if digest not in ("off", "sampled", "full"):
             raise ValueError(f"digest must be 'off', 'sampled' or 'full'; got {digest!r}")
         self.adapter, self.manifest = adapter, manifest
@@ -115,6 +118,9 @@ class UpdateSession:
         # the KV scales an update will overwrite, so that a rollback restores them too
         self.kv_before = {str(i): list(v) for i, v in adapter.kv_scale_values().items()} if manifest.kv_scales \
             else {}
+        # verification of weights written by someone else (a trainer's native load_weights): the
+        # derived tensors as found, before the replay rewrites them
+        self.stale_before = adapter.derived().stale() if self.verify else []
         adapter.begin()
         self.timings = {"begin_s": _now() - t0, "load_s": 0.0}
 
@@ -188,6 +194,8 @@ class UpdateSession:
             return report
         report.checks += [self._completeness(), self._layout(), self._derived(), self._storage(),
                           self._cache_kv(kv_problems)]
+        if self.verify:
+            report.checks.append(self._engine_as_found())
         report.extra["regions"] = self._regions()
         report.extra["rank"] = self.adapter.rank
         report.timings = dict(self.timings, finish_s=_now() - t0)
@@ -314,6 +322,33 @@ class UpdateSession:
         res = CheckResult("cache_coherence", not problems, problems, _now() - t0, self.adapter.rank)
         res.details.append("prefix-cache flush is checked by the client (probe)")
         return res
+
+    def _engine_as_found(self) -> CheckResult:
+        """Verification: the bytes the engine held before this replay (the recorder's backups) equal
+        what the checked replay wrote, region by region; the derived tensors and KV scales found were
+        up to date.  Then the weights someone else loaded are exactly what a checked update loads."""
+        t0 = _now()
+        live = dict(self.adapter.model().named_parameters())
+        problems = [f"{name}: derived tensor was stale before the check (not rebuilt after the last write)"
+                    for name in self.stale_before]
+        for w in self.recorder.writes:
+            old = self.recorder.backups.get(w.param)
+            if w.dest_box is None or old is None or w.param not in live:
+                continue
+            new = slice_box(live[w.param].detach(), w.dest_box)
+            was = slice_box(old, w.dest_box).to(new.device)
+            if not torch.equal(was.view(torch.uint8) if was.dtype != torch.bool else was,
+                               new.view(torch.uint8) if new.dtype != torch.bool else new):
+                problems.append(f"{w.source} ({w.role}) -> {w.param}{list(w.dest_box)}: the engine held other "
+                                "bytes than the learner's")
+        for layer, (k, v) in (self.manifest.kv_scales or {}).items():
+            had = self.kv_before.get(str(layer))
+            if had is not None and (abs(had[0] - k) > 1e-6 * max(1.0, k) or abs(had[1] - v) > 1e-6 * max(1.0, v)):
+                problems.append(f"layer {layer}: KV scales were {tuple(had)}, the trainer's are {(k, v)}")
+        n = len(self.recorder.writes)
+        return CheckResult("engine_as_found", not problems, problems[:64] or
+                           [f"{n} written regions held exactly the learner's bytes; derived tensors were current"],
+                           _now() - t0, self.adapter.rank)
 
     def _regions(self) -> list:
         """(source, role, src_box, param, dest_box, fingerprint) of the writes, all or a seeded sample."""

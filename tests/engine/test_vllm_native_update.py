@@ -44,3 +44,19 @@ def test_native_load_weights_full_and_partial(tmp_path, kind):
     assert res["untouched_changed"] == [], res          # untouched layers keep their bytes
     assert res["touched_unchanged"] == [], res
     assert "torch" in res["kernels"], res               # the CPU kernel, which keeps a derived fp32 copy
+
+
+def test_verify_after_a_native_update(tmp_path):
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="WARNING")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "verify_native.py"),
+                        json.dumps({"kind": "dense", "root": str(tmp_path)})],
+                       capture_output=True, text=True, timeout=900, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    ok, wrong, stale = res["B"], res["A"], res["B_stale_derived"]
+    assert ok["verified"] and ok["failed"] == [] and not ok["applied"] and ok["unchanged"], ok
+    assert not wrong["verified"] and "engine_as_found" in wrong["failed"] and wrong["unchanged"], wrong
+    assert any("other bytes than the learner's" in d for d in wrong["found"]), wrong
+    assert not stale["verified"] and "engine_as_found" in stale["failed"], stale
+    assert any(res["stale_layer"] in d and "derived tensor was stale" in d for d in stale["found"]), stale
