@@ -20,21 +20,38 @@ bucket source over HTTP can only be a safetensors file inside ``MXFP8_GRID_STAGI
 (default ``/dev/shm``, the temp dir): no pickles cross the network.  A malformed payload gets
 a 4xx naming the problem; an update the engine rejects is rolled back before the reply.
 Every response of the server carries ``X-Weight-Version``.
+
+A trainer that dies or stalls mid-update cannot leave the server paused: once generation is
+paused for an update and no ``/grid/*`` request arrives for ``MXFP8_GRID_STALL_TIMEOUT_S``
+(default 300 s), the server aborts the update on every rank -- whatever was not committed
+rolls back, whole; a committed update stays -- and resumes generation.  ``/grid/version``
+reports such expired updates.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import tempfile
+import time
 
 from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
 STAGING_ENV = "MXFP8_GRID_STAGING_DIRS"
+#: a paused update whose trainer sends nothing for this long is aborted (rolled back) and generation resumes
+STALL_ENV = "MXFP8_GRID_STALL_TIMEOUT_S"
+DEFAULT_STALL_S = 300.0
 ALLOWED = {"grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit", "grid_update_abort",
            "grid_state", "grid_fingerprints", "grid_nccl_init"}
-_state = {"version": 0}
+_state = {"version": 0, "paused_at": None, "last": 0.0, "watchdog": None, "expired": []}
+log = logging.getLogger("mxfp8_learner_grid.vllm")
+
+
+def stall_timeout() -> float:
+    return float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
 
 
 def _staging_dirs() -> list[str]:
@@ -82,15 +99,21 @@ class GridUpdateMiddleware:
             body = await self._body(receive)
             client = app_state.engine_client
             path, method = scope["path"], scope.get("method", "GET")
+            if path != "/grid/version":           # status polls are not a trainer's progress
+                _state["last"] = time.monotonic()
             if path == "/grid/version":
-                out = {"version": _state["version"]}
+                out = {"version": _state["version"], "paused": _state["paused_at"] is not None,
+                       "expired_updates": list(_state["expired"])}
             elif method != "POST":
                 raise HTTPError(405, f"{path} takes POST")
             elif path == "/grid/pause":
                 await client.pause_generation(mode="wait", clear_cache=False)
-                out = {"paused": True}
+                _state["paused_at"] = _state["last"] = time.monotonic()
+                self._watch(client)
+                out = {"paused": True, "stall_timeout_s": stall_timeout()}
             elif path == "/grid/resume":
                 await client.resume_generation()
+                _state["paused_at"] = None
                 out = {"paused": False}
             elif path == "/grid/reset_prefix_cache":
                 out = {"reset": bool(await client.reset_prefix_cache())}
@@ -103,6 +126,31 @@ class GridUpdateMiddleware:
             await self._reply(send, e.status, {"error": str(e)})
         except Exception as e:            # the engine refused the update (validation, rollback, ...)
             await self._reply(send, 422, {"error": f"{type(e).__name__}: {e}"})
+
+    # -- a trainer that dies or stalls mid-update ------------------------------------------
+    def _watch(self, client) -> None:
+        """While generation is paused for an update, abort it (every rank rolls back whatever was
+        not committed) and resume generation once the trainer has been silent for ``stall_timeout()``."""
+        task = _state["watchdog"]
+        if task is not None and not task.done():
+            return
+        _state["watchdog"] = asyncio.get_running_loop().create_task(self._watchdog(client))
+
+    async def _watchdog(self, client) -> None:
+        while _state["paused_at"] is not None:
+            limit = stall_timeout()
+            idle = time.monotonic() - _state["last"]
+            if idle < limit:
+                await asyncio.sleep(min(1.0, limit - idle + 0.05))
+                continue
+            log.warning("mxfp8-learner-grid: the trainer sent nothing for %.0f s during an update: aborting it "
+                        "(rolled back unless committed) and resuming generation", idle)
+            try:
+                results = await client.collective_rpc("grid_update_abort")
+                _state["expired"].append({"after_s": round(idle, 1), "ranks": results})
+            finally:
+                _state["paused_at"] = None
+                await client.resume_generation()
 
     async def _rpc(self, client, body):
         if not isinstance(body, dict) or "method" not in body:

@@ -54,8 +54,8 @@ class GridWorkerExtension:
         ad.partial = manifest.partial
         ad._loads = 0
         prev = getattr(self, "_grid_session", None)
-        if prev is not None and not prev.finished:
-            prev.abort()                      # a session the client never finished: roll it back
+        if prev is not None and not prev.closed:
+            prev.abort()                      # a session never committed (client died or gave up): roll it back
         self._grid_session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
                                            digest=opts.get("digest", "sampled"),
                                            fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)),

@@ -210,14 +210,22 @@ class UpdateSession:
         self.local_ok = not report.failed()
         return report
 
+    @property
+    def closed(self) -> bool:
+        """Committed or aborted: nothing of this update can change the weights any more."""
+        return getattr(self, "committed", False) or getattr(self, "aborted", False)
+
     def commit(self, accept: bool) -> bool:
         """Accept (bump the version) or reject (roll back).  Returns whether the update serves."""
         if accept and getattr(self, "local_ok", False):
             self.adapter.version = self.manifest.version
             self.recorder.backups.clear()
+            self.committed = True
             return True
         if self.backup and getattr(self, "local_ok", False):
             self._rollback()
+        self.local_ok = False
+        self.aborted = True
         return False
 
     def _restore_objects(self) -> None:
@@ -229,10 +237,21 @@ class UpdateSession:
                 setattr(mod, attr, obj)
 
     def abort(self) -> CheckResult:
-        """Roll back now (the client gave up on this update); report the verified result."""
+        """Roll back now (the client gave up on this update, or died); report the verified result.
+        An update that finished its checks but was never committed is rolled back too: the new
+        bytes are already in place, and only a commit may leave them serving."""
+        if getattr(self, "committed", False):
+            return CheckResult("atomic_versioning", True, ["already committed: the new weights serve, whole"],
+                               rank=self.adapter.rank)
         if not self.dead and not self.finished:
             self._fail(RuntimeError("aborted by the client"))
+        elif getattr(self, "local_ok", False) and self.backup:
+            self._rollback()
+            self.local_ok = False
+        elif getattr(self, "local_ok", False):
+            self.torn = True                    # finished, not committed, no backup to undo it
         self.finished = True
+        self.aborted = True
         return self._rollback_check()
 
     def _rollback_check(self) -> CheckResult:

@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
     a, b = str(save_model(root / "A", seed=0)), str(save_model(root / "B", seed=1))
     port = free_port()
-    env = dict(os.environ, MXFP8_GRID_UPDATES="1", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, MXFP8_GRID_UPDATES="1", VLLM_LOGGING_LEVEL="WARNING", MXFP8_GRID_STALL_TIMEOUT_S="6")
     log = open(root / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mxfp8_learner_grid.vllm_plugin.serve", a, "--quantization",
                              "mxfp8-learner-grid", "--dtype", "float32", "--max-model-len", "256",
@@ -86,7 +86,7 @@ def test_update_over_http(server):
     assert client.t.prompt_logprobs(PROMPTS)[0] == client.t.prompt_logprobs(PROMPTS)[0]
     assert max(abs(x - y) for x, y in zip(client.t.prompt_logprobs([PROMPTS[0]])[0][0], want)) < 2e-3
     assert requests.get(server["url"] + "/grid/version", headers={"Authorization": f"Bearer {KEY}"}).json() == \
-        {"version": 1}
+        {"version": 1, "paused": False, "expired_updates": []}
 
 
 @pytest.mark.parametrize("path,body,headers,status,needle", [
@@ -112,3 +112,41 @@ def test_unknown_tensor_is_rejected_before_any_write(server):
     r = requests.post(server["url"] + "/grid/rpc", headers={"Authorization": f"Bearer {KEY}"},
                       json={"method": "grid_update_begin", "args": [m.to_json(), "{}"]}, timeout=60)
     assert r.status_code == 422 and "unknown tensor" in r.text, r.text
+
+
+@pytest.mark.parametrize("dies_after", ["first bucket", "finish"])
+def test_a_trainer_that_dies_mid_update_leaves_the_engine_whole(server, dies_after):
+    """The trainer pauses generation, begins an update, sends a bucket (or everything, and the
+    checks pass) -- and dies before commit.  After MXFP8_GRID_STALL_TIMEOUT_S (6 s here) the server
+    rolls the update back on every rank and resumes generation: the previous weights serve, whole;
+    then a fresh client's update succeeds."""
+    import json
+    from mxfp8_learner_grid.common.sync.manifest import Manifest
+    from mxfp8_learner_grid.common.sync.transport import buckets
+    from mxfp8_learner_grid.vllm_plugin.client import HTTPTransport, connect
+    h = {"Authorization": f"Bearer {KEY}"}
+    t = HTTPTransport(server["url"], api_key=KEY, model="tiny")
+    version = requests.get(server["url"] + "/grid/version", headers=h).json()["version"]
+    lp0, fp0 = t.prompt_logprobs([PROMPTS[0]])[0][0], t.rpc("grid_fingerprints", "[]")
+    new = load_dir(server["A"] if version == 1 else server["B"])
+    t.pause()
+    t.rpc("grid_update_begin", Manifest.of(new, version + 1, "bf16").to_json(), json.dumps({"digest": "off"}))
+    for i, bucket in enumerate(buckets(new.items(), 1 << 16)):
+        if dies_after == "first bucket" and i == 1:
+            break
+        src = t.stage(bucket)
+        t.rpc("grid_update_load", json.dumps(src))
+        t.release(src)
+    if dies_after == "finish":
+        assert all(r["checks"] for r in t.rpc("grid_update_finish"))
+    t0 = time.time()                                       # ... and the trainer is gone
+    while requests.get(server["url"] + "/grid/version", headers=h).json()["paused"]:
+        assert time.time() - t0 < 60, "generation still paused a minute after the trainer died"
+        time.sleep(1)
+    state = requests.get(server["url"] + "/grid/version", headers=h).json()
+    assert state["version"] == version and state["expired_updates"], state
+    assert t.prompt_logprobs([PROMPTS[0]])[0][0] == lp0          # serving again, the previous weights
+    assert t.rpc("grid_fingerprints", "[]") == fp0               # bytes whole
+    client = connect(server["url"], api_key=KEY, model="tiny", bucket_bytes=1 << 16)
+    rep = client.update_weights(new, format="bf16", version=version + 1)
+    assert rep.ok, rep.summary()
