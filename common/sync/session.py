@@ -107,6 +107,7 @@ class UpdateSession:
         self.objs = {n: p for n, p in self.params.items()}
         self.derived_ptrs = {f"{d.owner}.{d.name}": d.tensor.data_ptr() for d in adapter.derived()}
         self.expected = {t.name for t in manifest.tensors}
+        self.specs = {t.name: t for t in manifest.tensors}
         self.received: set[str] = set()
         self.silent: list[str] = []        # tensors the engine's loader wrote nowhere
         self.recorder = WriteRecorder(self.params, backup=backup)
@@ -136,6 +137,10 @@ class UpdateSession:
                     raise UpdateRejected(f"{name}: not in the manifest of this update")
                 if name in self.received:
                     raise UpdateRejected(f"{name}: sent twice")
+                spec = self.specs[name]
+                if list(t.shape) != list(spec.shape) or str(t.dtype) != spec.dtype:
+                    raise UpdateRejected(f"{name}: the manifest announced {list(spec.shape)} {spec.dtype}; the bucket "
+                                         f"holds {list(t.shape)} {t.dtype} (file swapped or truncated?)")
                 role = "scale" if name.endswith("_scale_inv") else ("data" if t.dtype == torch.float8_e4m3fn
                                                                      else "plain")
                 self.recorder.add_source(t, name, role)

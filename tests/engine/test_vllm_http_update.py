@@ -150,3 +150,42 @@ def test_a_trainer_that_dies_mid_update_leaves_the_engine_whole(server, dies_aft
     client = connect(server["url"], api_key=KEY, model="tiny", bucket_bytes=1 << 16)
     rep = client.update_weights(new, format="bf16", version=version + 1)
     assert rep.ok, rep.summary()
+
+
+def test_hostile_bucket_files_change_nothing(server, tmp_path):
+    """Symlinks out of the staging dirs, truncated safetensors, a file whose tensor is not what the
+    manifest announced: each refused with a 4xx naming the problem, the weights untouched."""
+    import json
+    import tempfile
+    from safetensors.torch import save_file
+    from mxfp8_learner_grid.common.sync.manifest import Manifest
+    from mxfp8_learner_grid.vllm_plugin.client import HTTPTransport
+    t = HTTPTransport(server["url"], api_key=KEY, model="tiny")
+    fp0, lp0 = t.rpc("grid_fingerprints", "[]"), t.prompt_logprobs([PROMPTS[0]])[0][0]
+    h = {"Authorization": f"Bearer {KEY}"}
+    name = "model.norm.weight"
+    good = load_dir(server["B"])[name]
+    stage = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    link = os.path.join(stage, "evil.safetensors")
+    os.symlink("/etc/passwd", link)
+    truncated = os.path.join(stage, "cut.safetensors")
+    save_file({name: good}, truncated)
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) // 2)
+    wrong = os.path.join(stage, "wrong.safetensors")
+    save_file({name: torch.ones(good.numel() // 2)}, wrong)
+
+    def rpc(method, *args):
+        return requests.post(server["url"] + "/grid/rpc", headers=h, timeout=60,
+                             json={"method": method, "args": list(args)})
+    r = rpc("grid_update_load", json.dumps({"kind": "safetensors", "path": link}))
+    assert r.status_code == 400 and "must be inside" in r.text, r.text
+    for path, needle in ((truncated, ""), (wrong, name)):
+        r = rpc("grid_update_begin", Manifest.of({name: good}, 99, "bf16", partial=True).to_json(), "{}")
+        assert r.status_code == 200, r.text
+        r = rpc("grid_update_load", json.dumps({"kind": "safetensors", "path": path}))
+        assert r.status_code == 422 and needle in r.text, r.text
+        rpc("grid_update_abort")
+    assert t.rpc("grid_fingerprints", "[]") == fp0
+    assert t.prompt_logprobs([PROMPTS[0]])[0][0] == lp0
+    assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
