@@ -184,3 +184,18 @@ def test_moe_matches_reference(t, ep):
     # the SiLU*up intermediate is re-quantized: a one-ulp difference in gate_up can move one code
     assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
     assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)       # deterministic
+
+
+def test_a_stale_packed_copy_is_caught_by_the_derived_state_check():
+    from mxfp8_learner_grid.common.grid_kernels.layers import register_kernel_derived
+    from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
+    model = torch.nn.Module()
+    model.dense = grid_layer(2048, 4096, seed=5)
+    setup_kernel(model.dense)
+    model.moe = moe_layer(8, 2048, 768, seed=6)
+    reg = DerivedRegistry()
+    assert register_kernel_derived(model, reg) == 6
+    assert reg.stale() == []
+    model.dense.grid_marlin_weight.view(torch.uint8)[0, :8] ^= 1          # a packed copy left stale
+    model.moe.grid_marlin_w2_scale[3, 0, :4] += 1                         # a permuted scale of expert 3
+    assert sorted(reg.stale()) == ["dense.grid_marlin_weight", "moe.grid_marlin_w2_scale"]
