@@ -28,16 +28,22 @@ def push(pairs):
     return fn
 
 
-def main():
-    spec = json.loads(sys.argv[1])
-    from safetensors.torch import load_file, save_file
+def two_models(spec):
+    """Tiny seeded checkpoints A (seed 0) and B (seed 1) of the spec's kind, and their tensors."""
     from mxfp8_learner_grid.common.tiny_model import save_model
-    from vllm import LLM
-
     root, moe = spec["root"], spec["kind"] == "moe"
     a = str(save_model(os.path.join(root, "A"), moe=moe, seed=0))
     b = str(save_model(os.path.join(root, "B"), moe=moe, seed=1))
-    wa, wb = load_dir(a), load_dir(b)
+    return a, b, load_dir(a), load_dir(b)
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    root = spec["root"]
+    a, b, wa, wb = two_models(spec)
     # the mixed model a partial update must produce: B everywhere, layer 0 from A
     mixed = os.path.join(root, "M")
     os.makedirs(mixed, exist_ok=True)

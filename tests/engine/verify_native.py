@@ -12,8 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from native_update import push  # noqa: E402
-from sync_scenarios import load_dir, report_and_exit  # noqa: E402
+from native_update import push, two_models  # noqa: E402
+from sync_scenarios import report_and_exit  # noqa: E402
 
 
 def stale_one_derived_copy(worker):
@@ -29,14 +29,10 @@ def stale_one_derived_copy(worker):
 def main():
     spec = json.loads(sys.argv[1])
     from vllm import LLM
-    from mxfp8_learner_grid.common.tiny_model import save_model
     from mxfp8_learner_grid.vllm_plugin import inspect
     from mxfp8_learner_grid.vllm_plugin.client import GRID_WORKER, connect
 
-    root, moe = spec["root"], spec["kind"] == "moe"
-    a = str(save_model(os.path.join(root, "A"), moe=moe, seed=0))
-    b = str(save_model(os.path.join(root, "B"), moe=moe, seed=1))
-    wa, wb = load_dir(a), load_dir(b)
+    a, b, wa, wb = two_models(spec)
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype="float32", enforce_eager=True, max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, worker_extension_cls=GRID_WORKER)
     client = connect(llm, digest="full")
