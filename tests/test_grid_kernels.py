@@ -38,7 +38,7 @@ def test_cpu_chooses_the_reference_and_forced_kernels_fail_loudly():
 
 def test_marlin_declines_what_it_cannot_compute_exactly():
     from mxfp8_learner_grid.common.grid_kernels.marlin import MarlinLinear
-    assert not MarlinLinear.can_implement(spec(act_dtype=torch.float16))[0]      # fp16 cannot carry x's grid values
+    assert not MarlinLinear.can_implement(spec(act_dtype=torch.float16))[0]      # output must round to fp16
     assert not MarlinLinear.can_implement(spec(has_bias=True))[0]
     assert not MarlinLinear.can_implement(spec(n=96, k=96))[0]
     assert MarlinLinear.can_implement(spec(n=6144, k=4096))[0]

@@ -122,8 +122,8 @@ class MarlinLinear(GridKernel):
     @classmethod
     def can_implement(cls, spec):
         if spec.act_dtype != torch.bfloat16:
-            return False, (f"activations are {spec.act_dtype}: the grid values of x are exact in bf16 only "
-                           "(fp16 cannot hold small blocks exactly)")
+            return False, (f"a {spec.act_dtype} model: Marlin writes bf16, and the grid Linear's output must be "
+                           f"rounded once to {spec.act_dtype}")
         if spec.has_bias:
             return False, "a bias (the Marlin path has no FP32 bias epilogue)"
         if not marlin_shape_ok(spec.n, spec.k):

@@ -107,7 +107,7 @@ class MarlinMoE(GridKernel):
     @classmethod
     def can_implement(cls, spec):
         if spec.act_dtype != torch.bfloat16:
-            return False, f"activations are {spec.act_dtype}: the grid values of x are exact in bf16 only"
+            return False, f"a {spec.act_dtype} model: Marlin writes bf16, and the output must be rounded to {spec.act_dtype}"
         i, h = spec.intermediate, spec.k
         if i % 64 or h % 128:
             return False, f"intermediate {i} / hidden {h} are not Marlin MoE tile multiples (64 / 128)"
