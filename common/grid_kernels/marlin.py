@@ -99,16 +99,12 @@ def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover):
 
 
 def _marlin_supported(spec: LayerSpec) -> tuple[bool, str]:
-    if spec.device_type != "cuda":
-        return False, "not a CUDA device"
-    if providers.get("marlin") is None:
+    """The Triton kernels' platform (the activation qdq is one) plus the engine's Marlin ops."""
+    from .portable import triton_supported
+    ok, why = triton_supported(spec)
+    if ok and providers.get("marlin") is None:
         return False, "the engine provides no MXFP8 Marlin ops"
-    if spec.capability is not None and spec.capability < (8, 9):
-        return False, f"compute capability {spec.capability} < 8.9 (the activation qdq needs FP8 conversions)"
-    from ..kernels import _have_triton
-    if not _have_triton():
-        return False, "Triton is not installed (activation qdq)"
-    return True, ""
+    return ok, why
 
 
 class MarlinLinear(GridKernel):

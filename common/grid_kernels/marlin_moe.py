@@ -118,13 +118,20 @@ class MarlinMoE(GridKernel):
 
     # per expert: the packed weight and the permuted scales of w13 / w2
     def _build(self, layer, which: str, e: int):
-        ops = providers.get("marlin")
-        w, s = getattr(layer, f"{which}_weight")[e], getattr(layer, f"{which}_weight_scale_inv")[e]
-        return marlin_weight(ops, w), marlin_scales(s)
+        return self._packed(layer, which, e), self._scales(layer, which, e)
+
+    def _packed(self, layer, which: str, e: int):
+        return marlin_weight(providers.get("marlin"), getattr(layer, f"{which}_weight")[e])
+
+    def _scales(self, layer, which: str, e: int):
+        return marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[e])
 
     def _stack(self, layer, which: str):
-        parts = [self._build(layer, which, e) for e in range(getattr(layer, f"{which}_weight").shape[0])]
-        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        return self._stack_of(self._packed, layer, which), self._stack_of(self._scales, layer, which)
+
+    @staticmethod
+    def _stack_of(build, layer, which: str):
+        return torch.stack([build(layer, which, e) for e in range(getattr(layer, f"{which}_weight").shape[0])])
 
     def process_weights_after_loading(self, layer) -> None:
         for which in ("w13", "w2"):
@@ -152,10 +159,11 @@ class MarlinMoE(GridKernel):
     def derived(self, layer):
         out = {}
         for which in ("w13", "w2"):
+            # each builder rebuilds only its own tensor (the derived_state check calls both)
             out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
-                                           lambda which=which: self._stack(layer, which)[0])
+                                           lambda which=which: self._stack_of(self._packed, layer, which))
             out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
-                                                 lambda which=which: self._stack(layer, which)[1])
+                                                 lambda which=which: self._stack_of(self._scales, layer, which))
         return out
 
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):

@@ -12,7 +12,7 @@ from ..linear import dequantize_weight
 from .base import GridKernel, LayerSpec
 
 
-def _triton_ok(spec: LayerSpec) -> tuple[bool, str]:
+def triton_supported(spec: LayerSpec) -> tuple[bool, str]:
     if spec.device_type != "cuda":
         return False, "not a CUDA device"
     from ..kernels import _have_triton
@@ -71,7 +71,7 @@ class TritonLinear(GridKernel):
 
     @classmethod
     def is_supported(cls, spec):
-        return _triton_ok(spec)
+        return triton_supported(spec)
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
@@ -95,4 +95,4 @@ class TritonMoE(TorchMoE):
 
     @classmethod
     def is_supported(cls, spec):
-        return _triton_ok(spec)
+        return triton_supported(spec)

@@ -106,8 +106,8 @@ class UpdateSession:
         self.ptrs = {n: p.data_ptr() for n, p in self.params.items()}
         self.objs = {n: p for n, p in self.params.items()}
         self.derived_ptrs = {f"{d.owner}.{d.name}": d.tensor.data_ptr() for d in adapter.derived()}
-        self.expected = {t.name for t in manifest.tensors}
         self.specs = {t.name: t for t in manifest.tensors}
+        self.expected = set(self.specs)
         self.received: set[str] = set()
         self.silent: list[str] = []        # tensors the engine's loader wrote nowhere
         self.recorder = WriteRecorder(self.params, backup=backup)
