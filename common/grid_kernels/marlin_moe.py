@@ -10,12 +10,17 @@ The layer is computed in the reference's order (``ops.moe_reference``), with exa
 4. down = Marlin MoE GEMM (rounded once to bf16);
 5. the router weights applied in FP32 and the top-k slots summed in FP32, then one cast.
 
+Steps 3 and 5 and the slot order are three Triton kernels (``kernels/moe_triton.py``), equal to
+the torch ops they replace (:func:`moe_marlin_torch_glue`): at decode sizes the ~20 small torch
+kernels of that glue cost more than the expert GEMMs.
+
 What Marlin would otherwise do differently, and is avoided here (vLLM 0.26 source):
 ``mul_topk_weights`` multiplies in bf16 after rounding (so it stays off); bf16 atomic adds
 (``use_atomic_add`` stays off; FP32 global reduction on); ``moe_align_block_size`` orders the
 tokens of an expert with atomics on large batches, which can move a token to another block
-and change its bits between runs -- the slots are re-sorted within each expert segment
-(:func:`deterministic_order`), graph-safe, no host sync.  Slots routed to other ranks' experts
+and change its bits between runs -- up to ``moe_triton.ALIGN_MAX_SLOTS`` slots the order is made
+by a counting sort without atomics (``moe_triton.moe_align``), beyond that vLLM's slots are
+re-sorted within each expert segment (:func:`deterministic_order`); both graph-safe, no host sync.  Slots routed to other ranks' experts
 (expert parallel) are never written by Marlin and are masked out of the sum.
 
 Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
@@ -64,11 +69,38 @@ def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, bloc
 def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                workspace: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                expert_map: Optional[torch.Tensor], global_num_experts: int, intermediate: int) -> torch.Tensor:
+    from ..kernels import moe_triton
     from ..kernels.qdq_triton import qdq_rows
     ops = providers.get("marlin")
     m, h = x.shape
     if m == 0:
         return torch.zeros_like(x)
+    topk = topk_ids.shape[1]
+    e_local = w13.shape[0]
+    bs = block_size_m(m, topk, e_local, global_num_experts)
+    aligned = moe_triton.moe_align(topk_ids, bs, global_num_experts, e_local, expert_map)
+    if aligned is None:        # a large batch: vLLM's align (atomics), then the slot order fixed
+        sorted_ids, expert_ids, ntpp = ops.moe_align(topk_ids, bs, global_num_experts, expert_map)
+        sorted_ids = deterministic_order(sorted_ids, expert_ids, bs, topk_ids.numel())
+    else:
+        sorted_ids, expert_ids, ntpp = aligned
+    tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+    a = qdq_rows(x, torch.bfloat16)
+    gu = ops.moe_gemm(a, w13, w13_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, topk,
+                      size_m=m, size_n=2 * intermediate, size_k=h)
+    act = moe_triton.silu_mul_qdq(gu.view(m * topk, 2 * intermediate), intermediate)
+    d = ops.moe_gemm(act, w2, w2_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, 1,
+                     size_m=m * topk, size_n=h, size_k=intermediate)
+    return moe_triton.moe_combine(d.view(m * topk, h), tw, topk_ids, expert_map).to(x.dtype)
+
+
+def moe_marlin_torch_glue(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map,
+                          global_num_experts: int, intermediate: int) -> torch.Tensor:
+    """The same layer with its glue as plain torch ops (the definition the Triton glue of
+    ``kernels/moe_triton.py`` must equal; kept for the GPU tests and the benchmark)."""
+    from ..kernels.qdq_triton import qdq_rows
+    ops = providers.get("marlin")
+    m, h = x.shape
     topk = topk_ids.shape[1]
     e_local = w13.shape[0]
     bs = block_size_m(m, topk, e_local, global_num_experts)

@@ -199,3 +199,67 @@ def test_a_stale_packed_copy_is_caught_by_the_derived_state_check():
     model.dense.grid_marlin_weight.view(torch.uint8)[0, :8] ^= 1          # a packed copy left stale
     model.moe.grid_marlin_w2_scale[3, 0, :4] += 1                         # a permuted scale of expert 3
     assert sorted(reg.stale()) == ["dense.grid_marlin_weight", "moe.grid_marlin_w2_scale"]
+
+
+# --- the Triton glue of the MoE layer (kernels/moe_triton.py) against the torch ops it replaces ---
+
+@pytest.mark.parametrize("m,topk,e,ep", [(1, 8, 128, False), (16, 8, 128, False), (64, 8, 128, True),
+                                         (256, 8, 128, False), (7, 2, 8, False), (300, 4, 16, True)])
+def test_moe_align_equals_vllms_align_reordered(m, topk, e, ep):
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m, deterministic_order
+    from mxfp8_learner_grid.common.kernels.moe_triton import moe_align
+    ops = providers.get("marlin")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    e_global = 2 * e if ep else e
+    ids = torch.topk(torch.randn(m, e_global, device="cuda", generator=g), topk).indices.to(torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    bs = block_size_m(m, topk, e, e_global)
+    s, eb, nt = moe_align(ids, bs, e_global, e, emap)
+    vs, veb, vnt = ops.moe_align(ids, bs, e_global, emap)
+    vs = deterministic_order(vs, veb, bs, ids.numel())
+    n = int(vnt)
+    assert int(nt) == n and s.shape == vs.shape and eb.shape == veb.shape
+    assert torch.equal(s[:n], vs[:n]) and torch.equal(eb[:n // bs], veb[:n // bs])
+
+
+def test_silu_mul_qdq_equals_torch_bit_for_bit():
+    import torch.nn.functional as Fn
+    from mxfp8_learner_grid.common.kernels.moe_triton import silu_mul_qdq
+    from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for s, i in ((8, 768), (512, 768), (4096, 1536)):
+        gu = (torch.randn(s, 2 * i, device="cuda", generator=g) * torch.logspace(-3, 2, 2 * i, device="cuda")).to(torch.bfloat16)
+        gu[0, :5] = float("nan")
+        gu[1, :3] = float("inf")
+        gu[2, :3] = -float("inf")
+        y = silu_mul_qdq(gu, i)
+        gg, uu = gu.chunk(2, -1)
+        ref = qdq_rows(Fn.silu(gg) * uu, torch.bfloat16)
+        same = (y.view(torch.int16) == ref.view(torch.int16)) | (y.isnan() & ref.isnan())
+        assert bool(same.all()), (s, i, int((~same).sum()))
+
+
+@pytest.mark.parametrize("t", [1, 16, 64, 300, 5000])
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_triton_glue_equals_the_torch_glue(t, ep):
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import moe_marlin_torch_glue
+    e, h, i, topk = 64, 2048, 768, 8
+    layer = moe_layer(e, h, i, seed=40 + t)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w, ids = torch.topk(torch.softmax(torch.randn(t, 2 * e if ep else e, device="cuda", generator=g), -1), topk)
+    w, ids = (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((2 * e,), -1, dtype=torch.int32, device="cuda")
+        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    y = layer.grid_kernel.apply(layer, x, w, ids, emap)
+    args = (x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
+            layer.grid_marlin_workspace, w, ids, emap, 2 * e if ep else e, i)
+    ref = moe_marlin_torch_glue(*args)
+    # the same slots, GEMMs and SiLU*up codes; only the FP32 order of the top-k sum may differ
+    d = bf16_ulps(y, ref)
+    assert int(d.max()) <= 1 and (d == 0).float().mean().item() >= 0.999, (int(d.max()), (d == 0).float().mean().item())
