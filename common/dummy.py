@@ -1,9 +1,10 @@
 """``load_format="dummy"``: random but valid on-grid weights, for benchmarks of real shapes.
 
-vLLM's dummy loader fills floating-point parameters with U(-1e-3, 1e-3) -- which rounds to
-almost all zeros in E4M3 -- and leaves integer ones (our uint8 scales) alone.  Timing on
-zeros flatters a kernel, so the plugin replaces both with the on-grid quantization of
-N(0, 0.02^2) weights, seeded per layer name (reproducible across ranks and runs).
+vLLM's and SGLang's dummy loaders fill floating-point parameters with U(-1e-3, 1e-3) -- which
+rounds to almost all zeros in E4M3 -- and leave integer ones (our uint8 scales) as allocated
+(garbage, possibly the NaN byte 255).  Timing on zeros flatters a kernel, so both plugins
+replace the pair with the on-grid quantization of N(0, 0.02^2) weights, seeded per layer name
+(reproducible across ranks and runs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import zlib
 
 import torch
 
-from mxfp8_learner_grid.common import quantize_rows
+from .quantize import quantize_rows
 
 DUMMY_STD = 0.02
 

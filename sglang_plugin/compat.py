@@ -103,6 +103,15 @@ def kv_cache_dtype() -> str:
         return "auto"
 
 
+def load_format() -> str:
+    """``--load-format`` of the running server ("auto" outside one, e.g. in layer tests)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return str(getattr(get_server_args(), "load_format", "auto") or "auto")
+    except Exception:
+        return "auto"
+
+
 def moe_runner_backend_name() -> str:
     b = get_moe_runner_backend()
     return str(getattr(b, "value", b))

@@ -26,6 +26,8 @@ from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_linear
 from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, new_grid_params,
                                                wrap_scale_loader, wrap_weight_loader, writes)
 
+from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
+
 from . import compat
 
 PARAMS = ("weight", "weight_scale_inv")
@@ -108,7 +110,9 @@ class LearnerGridLinearMethod(compat.LinearMethodBase):
         # kernel is chosen.  Every call (also end_weight_update in 0.5.23): no scale holds E8M0
         # 255, and the kernel's derived tensors are rewritten in place (never reallocated).
         first = not getattr(layer, "grid_processed", False)
-        if first:
+        if first and compat.load_format() == "dummy":      # random valid grid weights (benchmarks)
+            fill_dummy_grid_weights(layer.weight, layer.weight_scale_inv, self.prefix)
+        elif first:
             check_complete(layer, self.prefix, layer.grid_expected_shards, PARAMS)
         check_no_nan_scales(layer, self.prefix, PARAMS)
         if first:

@@ -18,6 +18,8 @@ from mxfp8_learner_grid.common.loading import (SKIP, check_complete, check_no_na
                                                wrap_weight_loader, writes)
 from mxfp8_learner_grid.common.wire import WireFormatError
 
+from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
+
 from . import compat
 
 PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
@@ -99,7 +101,10 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         first = not getattr(layer, "grid_processed", False)
-        if first:
+        if first and compat.load_format() == "dummy":      # random valid grid weights (benchmarks)
+            fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
+            fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
+        elif first:
             e = layer.grid_num_local_experts
             for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
                 check_complete(layer, self.prefix, [(sh, x) for sh in shards for x in range(e)],

@@ -11,7 +11,7 @@ from mxfp8_learner_grid.common.loading import (check_complete, check_linear_part
                                                new_grid_params, wrap_scale_loader, wrap_weight_loader, writes)
 
 from . import compat
-from .dummy import fill_dummy_grid_weights
+from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
 
 
 def _expected_shards(layer, n_parts: int):

@@ -18,7 +18,7 @@ from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 from . import compat
-from .dummy import fill_dummy_grid_weights
+from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
 from .linear_method import verify_loaded
 from mxfp8_learner_grid.common.loading import (SKIP, labels_only, new_grid_params, wrap_scale_loader, wrap_weight_loader,
                                                writes)
