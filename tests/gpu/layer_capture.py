@@ -57,7 +57,8 @@ def collect(model):
             else:
                 params[name] = {k: getattr(m, k).detach().cpu() for k in
                                 ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")}
-                params[name]["expert_map"] = None if m.expert_map is None else m.expert_map.detach().cpu()
+                emap = getattr(m, "expert_map", None)
+                params[name]["expert_map"] = None if emap is None else emap.detach().cpu()
             out[name] = CAP[name]
     return {"calls": out, "params": params}
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What one H200 lease runs for SGLang (issue #12), after staging sglang==0.5.17 (stage.py --engine sglang==0.5.17).
+#   bash benchmarks/sglang_session.sh serve MODELS_DIR   # tiny dense + MoE served with the plugin, logprobs vs the learner
+#   bash benchmarks/sglang_session.sh layers             # per-layer exactness inside SGLang's model runner (8B / 30B shapes, 2 layers)
+#   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC]   # tokens/s, grid vs bf16
+# Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+. /tmp/engine-site/sglang-0.5.17/activate.sh >/dev/null || { echo "SGLang not staged: redo the part calls"; exit 3; }
+if [ ! -d /tmp/grid/mxfp8_learner_grid ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/grid . >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 2; }
+fi
+export PYTHONPATH=/tmp/grid:tests/gpu:$PYTHONPATH
+case "${1:-serve}" in
+  serve)
+    for m in dense moe; do
+      for dt in float32 bfloat16; do
+        timeout 280 python3 tests/gpu/sglang_serve_check.py --model "${2:-/tmp/models}/qwen3-tiny-$m" --dtype $dt \
+          --out "$OUT/sgl-serve-$m-$dt.json" --log "$OUT/sgl-server-$m-$dt.log" 2>&1 | grep -E "SERVE|Error|error" | tail -4
+      done
+    done
+    ;;
+  layers)
+    for s in qwen3-8b qwen3-30b-a3b; do
+      timeout 280 python3 tests/gpu/layer_capture_sglang.py --shape $s --layers 2 --out "$OUT/layers-sglang-$s.json" \
+        >"$OUT/layers-sglang-$s.log" 2>&1
+      grep -E "SUMMARY|LAYERS_" "$OUT/layers-sglang-$s.log" || tail -30 "$OUT/layers-sglang-$s.log"
+    done
+    ;;
+  e2e)
+    python3 benchmarks/bench_e2e_sglang.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
+      --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-sglang-h200.jsonl" 2>&1 | grep -v " INFO \|^\s*$" | tail -30
+    ;;
+esac
