@@ -36,3 +36,14 @@ def kv_scales(model: torch.nn.Module) -> dict[str, list]:
 def grid_kernels(model: torch.nn.Module) -> dict[str, str]:
     """On-grid module name -> the kernel it chose (common.grid_kernels), with its description."""
     return {n: m.grid_kernel.describe() for n, m in model.named_modules() if getattr(m, "grid_kernel", None) is not None}
+
+
+def stale_derived(model: torch.nn.Module) -> list[str]:
+    """Derived tensors of the on-grid kernels (packed weights, permuted scales, decoded copies)
+    that differ from a rebuild from the layer's current bytes: ``owner.name`` each; [] when all
+    are consistent."""
+    from ..common.grid_kernels.layers import register_kernel_derived
+    from ..common.sync.derived import DerivedRegistry
+    reg = DerivedRegistry()
+    register_kernel_derived(model, reg)
+    return reg.stale()

@@ -1,13 +1,15 @@
 """A trainer that never imports this project updates a live engine (run by test_vllm_native_update.py).
 
-    python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto"}'
+    python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto", "dtype": "float32", "eager": true}'
 
 As RL frameworks do it today: ``llm.collective_rpc(fn)`` where ``fn(worker)`` calls
 ``worker.model_runner.model.load_weights(weights=iter(pairs))`` with HF-named BF16-representable
 tensors -- first every tensor of model B (full update), then only decoder layer 0 of model A
 (partial update).  After each, prompt logprobs are compared with the learner's grid forward of
 the weights the engine should now hold (float32), and the untouched layers' parameter digests
-with what they were.  Prints one ``RESULT {...}`` line.
+with what they were, and every kernel's derived tensors (packed weights, permuted scales, decoded
+copies) with a rebuild from the new bytes.  ``dtype`` bfloat16 runs the GPU's Marlin kernels
+(they decline float32); there the logprob distances carry bf16 noise.  Prints one ``RESULT {...}`` line.
 """
 
 import json
@@ -66,7 +68,8 @@ def main():
     learner = {"A": learner_fn(a), "B": learner_fn(b), "M": learner_fn(mixed)}
     prompts = [[5, 17, 100, 3, 250, 9, 44, 12, 300, 7, 61, 2], [200, 201, 202, 19, 8, 77, 140, 33, 90, 11]]
     overrides = {"quantization_config_dict_json": json.dumps({"kernel": spec.get("kernel", "auto")})}
-    llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype="float32", enforce_eager=True, max_model_len=256,
+    llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype=spec.get("dtype", "float32"),
+              enforce_eager=spec.get("eager", True), max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, hf_overrides=overrides)
     from vllm import SamplingParams
 
@@ -84,11 +87,13 @@ def main():
     llm.collective_rpc(push(list(wb.items())))
     lp = engine_lp()
     out["full_vs_B"], out["full_vs_A"] = maxdiff(lp, learner["B"](prompts)), maxdiff(lp, learner["A"](prompts))
+    out["full_stale_derived"] = llm.apply_model(inspect.stale_derived)[0]
     before = state()
     llm.collective_rpc(push(list(layer0.items())))
     after = state()
     lp = engine_lp()
     out["partial_vs_M"], out["partial_vs_B"] = maxdiff(lp, learner["M"](prompts)), maxdiff(lp, learner["B"](prompts))
+    out["partial_stale_derived"] = llm.apply_model(inspect.stale_derived)[0]
     out["untouched_changed"] = sorted(n for n in before if ".layers.0." not in n and before[n] != after[n])
     out["touched_unchanged"] = sorted(n for n in before if ".layers.0." in n and n.endswith("weight")
                                       and before[n] == after[n])

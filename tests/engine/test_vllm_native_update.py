@@ -43,6 +43,7 @@ def test_native_load_weights_full_and_partial(tmp_path, kind):
     assert res["partial_vs_B"] > 20 * TOL, res
     assert res["untouched_changed"] == [], res          # untouched layers keep their bytes
     assert res["touched_unchanged"] == [], res
+    assert res["full_stale_derived"] == [] and res["partial_stale_derived"] == [], res
     assert "torch" in res["kernels"], res               # the CPU kernel, which keeps a derived fp32 copy
 
 
