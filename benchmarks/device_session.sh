@@ -8,6 +8,9 @@
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
 #   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
 #   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
+#   bash benchmarks/device_session.sh fasttests       # tests/gpu/test_fast_path.py only
+#   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
+#   bash benchmarks/device_session.sh native          # a trainer's plain load_weights on the GPU (Marlin bf16 + Triton fp32, graphs on)
 # Results go to $OUT.  Name the commit for the JSONL records: GRID_COMMIT=$(git rev-parse --short HEAD), set here
 # before the call (the device copy of the tree may carry a stale .git).
 set -uo pipefail
@@ -37,7 +40,7 @@ case "${1:-kernels}" in
       --dtype "${5:-bfloat16}" --arm-timeout 400 --out "$OUT/engine_$tag.json" 2>&1 | tee "$OUT/engine_$tag.log" | tail -40
     ;;
   update)
-    python3 benchmarks/bench_update.py --shape qwen3-8b --layers "${2:-36}" --out "$OUT/update.json" \
+    python3 benchmarks/bench_update.py --shape qwen3-8b --layers "${2:-36}" --out "$OUT/update.json" ${UPDATE_ARGS:-} \
       2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/update.log" | tail -30
     ;;
   study)
@@ -59,6 +62,22 @@ case "${1:-kernels}" in
     for s in qwen3-8b qwen3-30b-a3b; do
       VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=tests/gpu:$PYTHONPATH timeout 280 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
         --out "$OUT/layers-$s.json" 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
+    done
+    ;;
+  fasttests)   # the fast path's GPU tests only (exactness, graphs, MoE glue vs the torch glue)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -25
+    ;;
+  moe)
+    python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -12
+    ;;
+  native) # issue #17 on the GPU: native collective_rpc + load_weights, full and partial, derived tensors checked
+    for kind in dense moe; do
+      for dt in bfloat16 float32; do
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1 timeout 200 python3 tests/engine/native_update.py \
+          "{\"kind\": \"$kind\", \"root\": \"/tmp/native-$kind-$dt\", \"dtype\": \"$dt\", \"eager\": false}" \
+          >"$OUT/native-$kind-$dt.log" 2>&1
+        grep "^RESULT" "$OUT/native-$kind-$dt.log" | sed "s/^/$kind $dt /" || tail -20 "$OUT/native-$kind-$dt.log"
+      done
     done
     ;;
   e2e)    # end to end, arms in the same run: bash device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS_JSON]
