@@ -260,6 +260,11 @@ def test_moe_triton_glue_equals_the_torch_glue(t, ep):
     args = (x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
             layer.grid_marlin_workspace, w, ids, emap, 2 * e if ep else e, i)
     ref = moe_marlin_torch_glue(*args)
-    # the same slots, GEMMs and SiLU*up codes; only the FP32 order of the top-k sum may differ
+    # the same slots, GEMMs and SiLU*up codes (bit-equal align and SiLU*up: tests above); only the
+    # FP32 order of the top-k sum may differ -- nearly every element equal, and where a sum cancels
+    # the difference stays within its FP32 summation error (topk 2^-24 sum|w d| <= 2^-16 max|out|)
     d = bf16_ulps(y, ref)
-    assert int(d.max()) <= 1 and (d == 0).float().mean().item() >= 0.999, (int(d.max()), (d == 0).float().mean().item())
+    err = (y.float() - ref.float()).abs()
+    bound = ref.float().abs() * 2.0 ** -7 + ref.float().abs().amax(-1, keepdim=True) * 2.0 ** -16
+    assert (d == 0).float().mean().item() >= 0.999 and bool((err <= bound).all()), \
+        ((d == 0).float().mean().item(), (err / bound).max().item())
