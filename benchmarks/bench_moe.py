@@ -12,7 +12,7 @@ Timing as bench_fast_path.py: every arm captured in one CUDA graph over several 
 (so that the routed experts' weights cannot stay in L2), replayed with
 ``triton.testing.do_bench_cudagraph``; us per layer = replay time / copies.  The router's top-k
 is drawn once per M (softmax of random logits), the same for every arm.  The two grid arms are
-checked against each other (<= 1 bf16 ulp) before they count.
+checked against each other (equal up to the FP32 order of the top-k sum) before they count.
 """
 
 from __future__ import annotations
@@ -85,8 +85,11 @@ def main():
         y = lay.grid_kernel.apply(lay, x, w, ids, None)
         yt = moe_marlin_torch_glue(x, lay.grid_marlin_w13, lay.grid_marlin_w13_scale, lay.grid_marlin_w2,
                                    lay.grid_marlin_w2_scale, lay.grid_marlin_workspace, w, ids, None, e, i)
-        d = (y.view(torch.int16).int() - yt.view(torch.int16).int()).abs()
-        assert int(d.max()) <= 1, f"M={m}: the Triton glue is {int(d.max())} bf16 codes off the torch glue"
+        # equal up to the FP32 order of the top-k sum (see tests/gpu/test_fast_path.py)
+        err = (y.float() - yt.float()).abs()
+        bound = yt.float().abs() * 2.0 ** -7 + yt.float().abs().amax(-1, keepdim=True) * 2.0 ** -16
+        eq = (y.view(torch.int16) == yt.view(torch.int16)).float().mean().item()
+        assert eq >= 0.999 and bool((err <= bound).all()), f"M={m}: Triton glue vs torch glue: {eq:.5f} equal"
         arms = {
             "bf16": [lambda bf=bf: fused_experts(x, bf["w13"], bf["w2"], w, ids) for _, bf in layers],
             "grid": [lambda l=l: l.grid_kernel.apply(l, x, w, ids, None) for l, _ in layers],
