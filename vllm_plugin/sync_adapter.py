@@ -82,16 +82,23 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
             self._stale_derived = [(d.tensor, d.tensor.clone()) for d in self.registry]
 
     def after_load(self):
-        """Derived state after new bytes.  Each on-grid layer's kernel rebuilds its derived tensors
-        in place: the loaders already did as they wrote (common.refresh), this also covers a
-        rollback, whose old bytes come back without the loaders.  On CPU vLLM's own unquantized
+        """After new bytes: the loaders already rebuilt each written on-grid layer's derived
+        tensors in place (common.refresh), once per bucket -- rebuilding them all again here
+        would repack every Marlin weight twice per update.  On CPU vLLM's own unquantized
         embedding / lm_head keep a packed GEMM copy, rebuilt here."""
+        self._post_process(refresh_grid=False)
+
+    def after_restore(self, names):
+        """After a rollback (old bytes back without the loaders): every derived tensor rebuilt."""
+        self._post_process(refresh_grid=True)
+
+    def _post_process(self, refresh_grid: bool):
         from vllm.platforms import current_platform
         if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
             layer = next(iter(self.grid_layers()))[1]
             name = "weight" if hasattr(layer, "weight") else "w13_weight"
             setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
-        if "skip_rebuild" in self.faults:     # a derived copy left stale (never rebuilt from the new bytes)
+        if "skip_rebuild" in self.faults and not refresh_grid:   # a derived copy left stale
             for live, old in getattr(self, "_stale_derived", []):
                 live.copy_(old)
             return
@@ -101,12 +108,12 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
                 continue
             if hasattr(m, "grid_processed"):
                 if hasattr(qm, "update_refresh"):
-                    qm.update_refresh(m)          # derived copies, rebuilt in place
+                    if refresh_grid:
+                        qm.update_refresh(m)      # derived copies, rebuilt in place
                 else:
                     qm.process_weights_after_loading(m)
             elif current_platform.is_cpu() and type(qm).__name__ == "UnquantizedEmbeddingMethod":
                 qm.process_weights_after_loading(m)
-
 
     def derived(self):
         return self.registry

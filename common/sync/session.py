@@ -56,7 +56,13 @@ class EngineAdapter:
         """Reset write accounting etc. before the first write."""
 
     def after_load(self) -> None:
-        """Rebuild derived state from the new parameters (e.g. process_weights_after_loading)."""
+        """Post-process after the new bytes landed through the engine's loaders (which already
+        rebuilt the on-grid layers' derived tensors, ``common.refresh``)."""
+
+    def after_restore(self, names: list[str]) -> None:
+        """Derived state after a rollback put the previous bytes of ``names`` back -- without the
+        loaders, so every derived tensor must be rebuilt.  Default: :meth:`after_load`."""
+        self.after_load()
 
     def grid_accounting(self) -> list[str]:
         """Problems of the per-shard write accounting (each shard written exactly once)."""
@@ -172,7 +178,7 @@ class UpdateSession:
             self.adapter.set_kv_scales(self.kv_before)
         self._restore_objects()
         try:
-            self.adapter.after_load()
+            self.adapter.after_restore(restored)
         finally:
             self._restore_objects()       # in case the post-processing step is what rebinds
         bad = [n for n in restored if fingerprint(self.objs[n]) != fingerprint(self.recorder.backups[n])]
