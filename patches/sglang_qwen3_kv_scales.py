@@ -11,7 +11,8 @@ applied by ``load_plugins()``):
 
 * AFTER both classes' ``__init__``: when the model's quant config is the plugin's and the
   ``RadixAttention`` has no quant method, it gets the plugin's KV-cache method, exactly as
-  the models that pass the config get one;
+  the models that pass the config get one (``LearnerGridConfig.kv_cache_method``: none with a
+  BF16 KV cache);
 * BEFORE ``Qwen3MoeForCausalLM.load_weights``, which (unlike Qwen3's) does not remap scale
   names: the trainer's ``...self_attn.k_scale`` / ``v_scale`` become
   ``...self_attn.attn.k_scale`` / ``v_scale`` (what Qwen3's ``maybe_remap_kv_scale_name``
@@ -39,11 +40,13 @@ _registered = False
 def attach_kv_method(module, quant_config, prefix: str) -> bool:
     """Give ``module.attn`` the plugin's KV-cache method if the config is ours and it has none."""
     from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
-    from mxfp8_learner_grid.sglang_plugin.kv_cache import LearnerGridKVCacheMethod
     attn = getattr(module, "attn", None)
     if not isinstance(quant_config, LearnerGridConfig) or attn is None or getattr(attn, "quant_method", None):
         return False
-    attn.quant_method = LearnerGridKVCacheMethod(quant_config, f"{prefix}.attn" if prefix else "attn")
+    method = quant_config.kv_cache_method(f"{prefix}.attn" if prefix else "attn")
+    if method is None:                  # a BF16 KV cache: no scales (the config's rule)
+        return False
+    attn.quant_method = method
     attn.quant_method.create_weights(attn)
     return True
 

@@ -103,6 +103,15 @@ def kv_cache_dtype() -> str:
         return "auto"
 
 
+def server_kv_cache_dtype():
+    """``--kv-cache-dtype`` of the running server, or None outside one (layer tests)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return str(getattr(get_server_args(), "kv_cache_dtype", "auto") or "auto")
+    except Exception:
+        return None
+
+
 def load_format() -> str:
     """``--load-format`` of the running server ("auto" outside one, e.g. in layer tests)."""
     try:

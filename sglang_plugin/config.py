@@ -95,7 +95,6 @@ class LearnerGridConfig(compat.QuantizationConfig):
         return []
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        from .kv_cache import LearnerGridKVCacheMethod
         from .linear_method import LearnerGridLinearMethod
         from .moe_method import LearnerGridMoEMethod
         if isinstance(layer, compat.LinearBase):
@@ -104,8 +103,19 @@ class LearnerGridConfig(compat.QuantizationConfig):
             # off the grid: None lets FusedMoE build its own unquantized method
             return LearnerGridMoEMethod(self, prefix) if self.on_grid(prefix) else None
         if isinstance(layer, compat.RadixAttention):
-            return LearnerGridKVCacheMethod(self, prefix)
+            return self.kv_cache_method(prefix)
         return None
+
+    def kv_cache_method(self, prefix: str):
+        """The KV-cache method of an attention layer, or None when the server's KV cache is not
+        FP8: a BF16 cache reads no scales, and SGLang 0.5.17's fused K/V-cache write asserts that
+        the layer has none (seen on the H200: Qwen3-MoE, head_dim 32).  Outside a server (layer
+        tests) the method is attached."""
+        from .kv_cache import LearnerGridKVCacheMethod
+        kv = compat.server_kv_cache_dtype()
+        if kv is not None and not kv.startswith("fp8"):
+            return None
+        return LearnerGridKVCacheMethod(self, prefix)
 
     # -- module selection -------------------------------------------------------------
     def checkpoint_shards(self, prefix: str) -> list[str] | None:

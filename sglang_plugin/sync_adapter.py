@@ -34,6 +34,7 @@ from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.session import EngineAdapter
+from . import compat
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _MERGED = ("gate_proj", "up_proj")
@@ -184,6 +185,9 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
             return []
         problems = []
         layers = self._attn_layers()
+        kv = compat.server_kv_cache_dtype()
+        if not layers and kv is not None and not kv.startswith("fp8"):
+            return []                            # a BF16 KV cache: no layer reads scales (config.get_quant_method)
         for key, (k, v) in scales.items():
             m = layers.get(int(key))
             if m is None:

@@ -243,3 +243,25 @@ def test_dummy_load_fills_valid_grid_weights(sgl, learners, monkeypatch):
                     assert 0.015 < std < 0.025, (name, std)
                     n += 1
         assert n == 8, n                                   # 2 layers x (qkv, o, gate_up | w13, down | w2)
+
+
+def test_kv_scales_only_with_an_fp8_kv_cache(sgl, monkeypatch):
+    """In a server with a BF16 KV cache an attention layer gets no KV-cache method and no k/v
+    scales -- through the quant config (models that pass it) and through the Qwen3 hook
+    (``patches/sglang_qwen3_kv_scales.attach_kv_method``): SGLang 0.5.17's fused K/V-cache write
+    (Qwen3-MoE, head_dim < 64) asserts that a layer has none, which stopped the MoE server on
+    the H200.  With an FP8 cache, and outside a server, the layer gets both."""
+    import types
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from mxfp8_learner_grid.patches.sglang_qwen3_kv_scales import attach_kv_method
+    from mxfp8_learner_grid.sglang_plugin import compat
+    from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
+    for kv, has in (("auto", False), ("bfloat16", False), ("fp8_e4m3", True), (None, True)):
+        monkeypatch.setattr(compat, "server_kv_cache_dtype", lambda kv=kv: kv)
+        via_config = RadixAttention(4, 32, 32 ** -0.5, 2, layer_id=0, quant_config=LearnerGridConfig(),
+                                    prefix="model.layers.0.self_attn.attn")
+        module = types.SimpleNamespace(attn=RadixAttention(4, 32, 32 ** -0.5, 2, layer_id=0, quant_config=None,
+                                                           prefix="model.layers.0.self_attn.attn"))
+        assert attach_kv_method(module, LearnerGridConfig(), "model.layers.0.self_attn") == has, kv
+        for attn in (via_config, module.attn):
+            assert (attn.k_scale is not None) == has and (attn.v_scale is not None) == has, kv
