@@ -17,7 +17,7 @@ export PYTHONPATH=/tmp/grid:tests/gpu:$PYTHONPATH
 case "${1:-serve}" in
   serve)
     for m in dense moe; do
-      for dt in float32 bfloat16; do
+      for dt in bfloat16; do          # float32: sgl_kernel's rmsnorm has no fp32 kernel (seen on the H200)
         timeout 280 python3 tests/gpu/sglang_serve_check.py --model "${2:-/tmp/models}/qwen3-tiny-$m" --dtype $dt \
           --out "$OUT/sgl-serve-$m-$dt.json" --log "$OUT/sgl-server-$m-$dt.log" 2>&1 | grep -E "SERVE|Error|error" | tail -4
       done

@@ -51,6 +51,8 @@ def main():
         return runner, tok
     ob.load_model = load_and_wrap
     import argparse as _ap
+    from sglang.srt.plugins import load_plugins
+    load_plugins()                         # as a server does: the plugin's entry point adds its --quantization name
     from sglang.srt.server_args import ServerArgs
     p = _ap.ArgumentParser()
     ServerArgs.add_cli_args(p)

@@ -4,8 +4,7 @@
 
 Starts ``python -m sglang.launch_server --model-path DIR --quantization mxfp8-learner-grid`` (the
 plugin through its entry point; decode CUDA graphs on; the prefill CUDA graph off, whose capture
-costs minutes of device time and is not what is checked here; float32 needs SGLang's Triton
-attention, FlashAttention 3 has no fp32), then
+costs minutes of device time and is not what is checked here), then
 
 * ``/generate`` with token ids, greedy, ``return_logprob`` from the first token: the logprobs of
   the prompt tokens and of the generated ones;
@@ -13,8 +12,10 @@ attention, FlashAttention 3 has no fp32), then
 
 stops the server, and runs the learner (``transformers`` + ``apply_learner_grid``, float32, CPU)
 on the same token sequences.  Reported: max and mean |engine - learner| over every scored token.
-In float32 the engine must match within 2e-3 nats (the vLLM CPU bound); in bf16 the activation
-quantizer turns bf16 rounding differences into code flips (~0.05 nats), so the number is reported.
+SGLang 0.5.17 cannot serve float32 on the H200 (sgl_kernel's rmsnorm has no fp32 kernel: seen
+there), so the check runs in bf16, where the activation quantizer turns bf16 rounding differences
+into code flips (~0.05 nats): the number is reported; the exactness of each on-grid layer in
+SGLang is ``layer_capture_sglang.py``'s.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main():
     base = f"http://127.0.0.1:{args.port}"
     res = {"model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype, "cmd": " ".join(cmd[1:])}
     try:
-        for _ in range(300):
+        for _ in range(400):
             if srv.poll() is not None:
                 raise RuntimeError(f"server exited with {srv.returncode}")
             try:
@@ -64,7 +65,7 @@ def main():
             except Exception:
                 time.sleep(1)
         else:
-            raise RuntimeError("server not healthy after 300 s")
+            raise RuntimeError("server not healthy after 400 s")
         res["start_s"] = round(time.time() - t0, 1)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (12, 30, 64, 7)]
