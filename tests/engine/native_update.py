@@ -1,6 +1,7 @@
 """A trainer that never imports this project updates a live engine (run by test_vllm_native_update.py).
 
-    python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto", "dtype": "float32", "eager": true}'
+    python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto", "dtype": "float32", "eager": true,
+                                "capture_sizes": [1, 2, 4, 8]}'
 
 As RL frameworks do it today: ``llm.collective_rpc(fn)`` where ``fn(worker)`` calls
 ``worker.model_runner.model.load_weights(weights=iter(pairs))`` with HF-named BF16-representable
@@ -69,7 +70,8 @@ def main():
     prompts = [[5, 17, 100, 3, 250, 9, 44, 12, 300, 7, 61, 2], [200, 201, 202, 19, 8, 77, 140, 33, 90, 11]]
     overrides = {"quantization_config_dict_json": json.dumps({"kernel": spec.get("kernel", "auto")})}
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype=spec.get("dtype", "float32"),
-              enforce_eager=spec.get("eager", True), max_model_len=256,
+              enforce_eager=spec.get("eager", True),
+              **({"compilation_config": {"cudagraph_capture_sizes": spec["capture_sizes"]}} if spec.get("capture_sizes") else {}), max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, hf_overrides=overrides)
     from vllm import SamplingParams
 
