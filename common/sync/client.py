@@ -10,6 +10,12 @@ in-process ``LLM`` or a running ``vllm serve`` over HTTP).  A transport provides
     pause(); resume(); reset_prefix_cache()           generation control
     prompt_logprobs(prompts) -> (logprobs, cached)    for the probes (optional)
 
+What ``update_weights`` takes (``common.sync.sources``): a state dict or ``(name, tensor)`` pairs
+(zero-copy; transformers 5 fused experts split into per-expert views), a state dict of FSDP2
+``DTensor`` shards (``ShardedSource``: gathered one bucket at a time; the other trainer ranks call
+``ShardedSource(state, group).follow()``), or a zero-argument callable returning an iterator
+(``StreamSource``: a metadata pass, then tensors bucket by bucket, never the whole model at once).
+
 ``update_weights`` pauses generation, validates the manifest on every rank, streams the
 buckets through the engine's own loaders, collects each rank's local checks, decides byte
 identity against the learner's own bytes, commits or rolls back on every rank, checks that
@@ -27,12 +33,12 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 
 from ..quantize import quantize_rows
-from .inputs import trainer_tensors
+from .sources import TrainerSource, as_source
 from .manifest import Manifest
 from .recorder import backup_mode
 from .report import CheckResult, SyncReport
 from .session import fingerprint_regions
-from .transport import buckets, run_beside
+from .transport import run_beside
 
 HIGH = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -78,16 +84,23 @@ class GridSyncClient:
         self.version = max(int(s["version"]) for s in self.t.rpc("grid_state"))
 
     # ----------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+                       | Callable[[], Iterable[tuple[str, torch.Tensor]]] | "TrainerSource",
                        format: str = "bf16", version: Optional[int] = None, kv_scales: Optional[dict] = None,
                        partial: bool = False, truth: Optional[Mapping] = None, seed: Optional[int] = None,
                        flush_cache: bool = True, verify: bool = False) -> SyncReport:
-        named = trainer_tensors(named_tensors)          # transformers 5 fused experts -> per-expert views
+        src = as_source(named_tensors)                  # dict / FSDP2 DTensors / stream; fused experts split
+        try:
+            return self._update(src, format, version, kv_scales, partial, truth, seed, flush_cache, verify)
+        finally:
+            src.close()                                 # releases the other trainer ranks (sharded sources)
+
+    def _update(self, src, format, version, kv_scales, partial, truth, seed, flush_cache, verify) -> SyncReport:
         if verify:
             version = self.version
         version = int(version if version is not None else self.version + 1)
-        manifest = Manifest.of(named, version, format, partial,
-                               {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)
+        manifest = Manifest.of_specs(src.metadata(), version, format, partial,
+                                     {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)
         opts = {"backup": self.backup if not verify else (self.backup or "host"), "digest": self.digest,
                 "fraction": self.fraction, "seed": version if seed is None else seed, "verify": bool(verify)}
         report = SyncReport(version=version, applied=False)
@@ -101,8 +114,9 @@ class GridSyncClient:
         try:
             t0 = time.perf_counter()
             self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
-            for bucket in buckets(named.items(), self.bucket_bytes):
+            for bucket in src.buckets(self.bucket_bytes):
                 self._load_bucket(bucket)
+                del bucket                              # one bucket alive while the next is made
             timings["transfer_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             ranks = [SyncReport.from_dict(d) for d in self.t.rpc("grid_update_finish")]
@@ -113,8 +127,14 @@ class GridSyncClient:
                     report.error = (report.error + "; " if report.error else "") + f"rank {r.extra.get('rank')}: {r.error}"
             regions = [reg for r in ranks for reg in r.extra.get("regions", [])]
             t0 = time.perf_counter()
-            lt = LearnerTruth(named, truth)
-            problems = fingerprint_regions(lt.get, regions)
+            problems = []
+            by_source: dict = {}
+            for r in regions:
+                by_source.setdefault(r[0], []).append(r)
+            for name, t in src.lookup(sorted(by_source)):          # one tensor at a time for streams
+                problems += fingerprint_regions(LearnerTruth({name: t}, truth).get, by_source.pop(name))
+            for name, regs in by_source.items():                    # asked for, never found
+                problems += fingerprint_regions(LearnerTruth({}, truth).get, regs)
             identity_ok = (not problems) if regions else None
             report.checks.append(CheckResult("byte_identity", identity_ok,
                                              problems or ([f"{len(regions)} regions compared ({self.digest})"]

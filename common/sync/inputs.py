@@ -27,24 +27,31 @@ from .recorder import UpdateRejected
 FUSED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
 
 
-def split_fused_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def fused_plan(name: str, shape: tuple) -> list[tuple[str, tuple, tuple]]:
+    """[(per-expert HF name, index into the fused tensor, that view's shape)] of a transformers 5
+    fused-experts tensor of ``shape``; refuses a wrong layout, naming it and the accepted one."""
     m = FUSED_EXPERTS.match(name)
     kind, experts = m["kind"], m["experts"]
-    if t.dim() != 3:
+    if len(shape) != 3:
         want = "[E, 2I, H] (gate rows, then up rows)" if kind == "gate_up_proj" else "[E, H, I]"
         raise UpdateRejected(f"{name}: fused experts with 3-D shape {want} expected (transformers 5 layout); "
-                             f"got shape {tuple(t.shape)}")
+                             f"got shape {tuple(shape)}")
+    e_n, rows, cols = (int(d) for d in shape)
     out = []
     if kind == "gate_up_proj":
-        if t.shape[1] % 2:
-            raise UpdateRejected(f"{name}: fused gate_up_proj [E, 2I, H] needs an even dim 1; got {tuple(t.shape)}")
-        inter = t.shape[1] // 2
-        for e in range(t.shape[0]):
-            out.append((f"{experts}.{e}.gate_proj.weight", t[e, :inter]))
-            out.append((f"{experts}.{e}.up_proj.weight", t[e, inter:]))
+        if rows % 2:
+            raise UpdateRejected(f"{name}: fused gate_up_proj [E, 2I, H] needs an even dim 1; got {tuple(shape)}")
+        inter = rows // 2
+        for e in range(e_n):
+            out.append((f"{experts}.{e}.gate_proj.weight", (e, slice(0, inter)), (inter, cols)))
+            out.append((f"{experts}.{e}.up_proj.weight", (e, slice(inter, rows)), (inter, cols)))
     else:
-        out += [(f"{experts}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        out += [(f"{experts}.{e}.down_proj.weight", (e,), (rows, cols)) for e in range(e_n)]
     return out
+
+
+def split_fused_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t[idx]) for n, idx, _ in fused_plan(name, tuple(t.shape))]
 
 
 def trainer_tensors(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

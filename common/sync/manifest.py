@@ -47,6 +47,13 @@ class Manifest:
         specs = [TensorSpec(n, list(t.shape), str(t.dtype)) for n, t in items]
         return cls(int(version), format, specs, partial, kv_scales)
 
+    @classmethod
+    def of_specs(cls, specs: Iterable[tuple[str, Iterable[int], torch.dtype]], version: int, format: str,
+                 partial: bool = False, kv_scales=None) -> "Manifest":
+        """From names, shapes and dtypes only (a stream's metadata pass; no tensor needed)."""
+        return cls(int(version), format, [TensorSpec(n, [int(d) for d in shape], str(dtype)) for n, shape, dtype in specs],
+                   partial, kv_scales)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
