@@ -61,9 +61,7 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         self.registry = DerivedRegistry()          # the kernels' derived tensors, registered on first use
         self._registered = False
         self.partial = False
-        self.faults: set[str] = set()
         self._sig = None
-        self._loads = 0
 
     # -- basics -------------------------------------------------------------------------
     def model(self):
@@ -71,16 +69,6 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
 
     def load(self, named):
         named = list(named)
-        if "crash_midway" in self.faults and self._loads >= 1:
-            raise RuntimeError("injected fault: the transport died halfway through the update")
-        self._loads += 1
-        if "swap_kv" in self.faults:          # a loader that puts k where v goes (wrong fused-shard offset)
-            named = [(n.replace("layers.0.self_attn.k_proj", "@").replace("layers.0.self_attn.v_proj",
-                      "layers.0.self_attn.k_proj").replace("@", "layers.0.self_attn.v_proj"), t) for n, t in named]
-        if "duplicate_shard" in self.faults:  # v loaded into the k shard: counts look complete, v never written
-            named = [(n.replace("layers.0.self_attn.v_proj", "layers.0.self_attn.k_proj"), t) for n, t in named]
-        if "skip_expert" in self.faults:      # a loader that drops one expert
-            named = [(n, t) for n, t in named if ".experts.1." not in n]
         # the class's loader: an open grid update shadows the instance's (sglang_plugin/updater.py)
         type(self._model).load_weights(self._model, named)
 
@@ -109,7 +97,6 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         return counts.most_common(1)[0][0] if counts else torch.get_default_dtype()
 
     def begin(self):
-        self._loads = 0
         for _, layer in self.grid_layers():
             writes(layer).clear()
 
@@ -120,10 +107,6 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         from .kv_cache import LearnerGridKVCacheMethod
         from .linear_method import LearnerGridLinearMethod
         from .moe_method import LearnerGridMoEMethod
-        if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
-            layer = next(iter(self.grid_layers()))[1]
-            name = "weight" if hasattr(layer, "weight") else "w13_weight"
-            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
         ours = (LearnerGridLinearMethod, LearnerGridMoEMethod, LearnerGridKVCacheMethod)
         for _, m in self._model.named_modules():
             qm = getattr(m, "quant_method", None)
@@ -181,8 +164,6 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
                 and isinstance(getattr(m, "k_scale", None), torch.Tensor)}
 
     def set_kv_scales(self, scales):
-        if "skip_kv" in self.faults:
-            return []
         problems = []
         layers = self._attn_layers()
         kv = compat.server_kv_cache_dtype()
@@ -202,6 +183,10 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
             m.k_scale.fill_(k)
             m.v_scale.fill_(v)
         m.k_scale_float, m.v_scale_float = k, v  # what the attention backends read (SGLang's KV method sets them)
+
+    def kv_scales_used(self) -> bool:
+        kv = compat.server_kv_cache_dtype()
+        return kv is None or kv.startswith("fp8") or bool(self._attn_layers())
 
     def kv_scale_values(self):
         return {i: (float(getattr(m, "k_scale_float", m.k_scale)), float(getattr(m, "v_scale_float", m.v_scale)))

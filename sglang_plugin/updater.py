@@ -54,9 +54,8 @@ GRID_LOADER = "mxfp8_learner_grid.sglang_plugin.updater.grid_loader"
 CONTROL = "mxfp8_grid_control:"
 REPLY_DIRS_ENV = "MXFP8_GRID_REPLY_DIRS"
 REPLY_PREFIX = "mxfp8-grid-"
-FAULTS_ENV = "MXFP8_GRID_FAULTS"
 METHODS = ("grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit",
-           "grid_update_abort", "grid_state", "grid_fingerprints", "grid_set_faults")
+           "grid_update_abort", "grid_state", "grid_fingerprints")
 
 
 def _tp_group():
@@ -80,9 +79,11 @@ def _sglang_weight_version():
 class GridWorker:
     """The grid_* methods on one TP rank (see vllm_plugin/worker.py for the same surface)."""
 
+    adapter_cls = SGLangAdapter           # a subclass may name another (the test suites' faulty adapter)
+
     def __init__(self, model: torch.nn.Module):
         rank, self.world, _ = _tp_group()
-        self.adapter = SGLangAdapter(model, rank)
+        self.adapter = self.adapter_cls(model, rank)
         self.session: UpdateSession | None = None
         self.open = False                   # a begun update not yet committed or aborted
         self.received: list[str] = []       # names SGLang's own update paths loaded (shadowed loader)
@@ -162,8 +163,6 @@ class GridWorker:
         s, ad = self._require_session(), self.adapter
         ok = s.commit(accept in ("1", "true", "True"))
         self._close()
-        if ok and "skip_version" in ad.faults and ad.rank == self.world - 1:
-            ad.version = s.manifest.version - 1         # injected: this rank serves the old version number
         return {"rank": ad.rank, "applied": ok, "version": ad.version}
 
     def grid_update_abort(self) -> dict:
@@ -183,12 +182,6 @@ class GridWorker:
         params = dict(self.adapter.model().named_parameters())
         names = json.loads(names_json) or list(params)
         return {n: fingerprint(params[n]) for n in names if n in params}
-
-    def grid_set_faults(self, faults_json: str) -> list:
-        if os.environ.get(FAULTS_ENV) != "1":
-            raise PermissionError(f"fault injection is for tests: set {FAULTS_ENV}=1 in the engine's environment")
-        self.adapter.faults = set(json.loads(faults_json))
-        return sorted(self.adapter.faults)
 
     def call(self, method: str, args: list, tensors: list):
         if method not in METHODS:

@@ -35,25 +35,13 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
         self.version = 0
         self.registry = DerivedRegistry()
         self._sig = None
-        self.faults: set[str] = set()
 
     # -- basics -------------------------------------------------------------------------
     def model(self):
         return self._model
 
     def load(self, named):
-        named = list(named)
-        if "crash_midway" in self.faults and getattr(self, "_loads", 0) >= 1:
-            raise RuntimeError("injected fault: the transport died halfway through the update")
-        self._loads = getattr(self, "_loads", 0) + 1
-        if "swap_kv" in self.faults:          # a loader that puts k where v goes (wrong fused-shard offset)
-            named = [(n.replace("layers.0.self_attn.k_proj", "@").replace("layers.0.self_attn.v_proj",
-                      "layers.0.self_attn.k_proj").replace("@", "layers.0.self_attn.v_proj"), t) for n, t in named]
-        if "duplicate_shard" in self.faults:  # v loaded into the k shard: counts look complete, v never written
-            named = [(n.replace("layers.0.self_attn.v_proj", "layers.0.self_attn.k_proj"), t) for n, t in named]
-        if "skip_expert" in self.faults:      # a loader that drops one expert
-            named = [(n, t) for n, t in named if ".experts.1." not in n]
-        self._model.load_weights(iter(named))
+        self._model.load_weights(iter(list(named)))
 
     def quant_config(self):
         return self.vllm_config.quant_config
@@ -78,8 +66,6 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
     def begin(self):
         for _, layer in self.grid_layers():
             writes(layer).clear()
-        if "skip_rebuild" in self.faults:     # keep the derived tensors' old bytes, to put back after the update
-            self._stale_derived = [(d.tensor, d.tensor.clone()) for d in self.registry]
 
     def after_load(self):
         """After new bytes: the loaders already rebuilt each written on-grid layer's derived
@@ -94,14 +80,6 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
 
     def _post_process(self, refresh_grid: bool):
         from vllm.platforms import current_platform
-        if "realloc" in self.faults:          # a post-processing step that rebinds a parameter
-            layer = next(iter(self.grid_layers()))[1]
-            name = "weight" if hasattr(layer, "weight") else "w13_weight"
-            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data.clone(), requires_grad=False))
-        if "skip_rebuild" in self.faults and not refresh_grid:   # a derived copy left stale
-            for live, old in getattr(self, "_stale_derived", []):
-                live.copy_(old)
-            return
         for _, m in self._model.named_modules():
             qm = getattr(m, "quant_method", None)
             if qm is None:
@@ -171,8 +149,6 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
         return out
 
     def set_kv_scales(self, scales):
-        if "skip_kv" in self.faults:
-            return []
         problems = []
         layers = self._attn_layers()
         for key, (k, v) in scales.items():

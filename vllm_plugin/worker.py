@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 from mxfp8_learner_grid.common.sync.digest import fingerprint
 from mxfp8_learner_grid.common.sync.manifest import Manifest
@@ -26,10 +25,9 @@ from mxfp8_learner_grid.common.sync.security import check_rendezvous
 from mxfp8_learner_grid.common.sync.session import UpdateSession
 from mxfp8_learner_grid.common.sync.transport import read_source
 
-FAULTS_ENV = "MXFP8_GRID_FAULTS"
-
-
 class GridWorkerExtension:
+
+    adapter_cls = None        # the engine adapter (sync_adapter.VLLMAdapter unless a subclass names another)
 
     def _grid(self):
         ad = getattr(self, "_grid_adapter_obj", None)
@@ -37,7 +35,7 @@ class GridWorkerExtension:
             from .sync_adapter import VLLMAdapter
             model = self.model_runner.model if hasattr(self.model_runner, "model") else self.model_runner.get_model()
             rank = int(getattr(self, "rank", 0) or 0)
-            ad = VLLMAdapter(model, self.vllm_config, rank)
+            ad = (self.adapter_cls or VLLMAdapter)(model, self.vllm_config, rank)
             from .linear_method import register_derived
             register_derived(model, ad.registry)
             self._grid_adapter_obj = ad
@@ -52,7 +50,6 @@ class GridWorkerExtension:
         ad = self._grid()
         manifest = Manifest.from_json(manifest_json)
         ad.partial = manifest.partial
-        ad._loads = 0
         prev = getattr(self, "_grid_session", None)
         if prev is not None and not prev.closed:
             prev.abort()                      # a session never committed (client died or gave up): roll it back
@@ -76,8 +73,6 @@ class GridWorkerExtension:
         s = self._grid_session
         ad = self._grid()
         ok = s.commit(accept in ("1", "true", "True"))
-        if ok and "skip_version" in ad.faults and ad.rank == 1:
-            ad.version = s.manifest.version - 1        # injected: this rank serves the old version number
         return {"rank": ad.rank, "applied": ok, "version": ad.version}
 
     def grid_update_abort(self) -> dict:
@@ -105,10 +100,4 @@ class GridWorkerExtension:
         rank = int(info.get("rank_offset", 1)) + self._grid().rank
         self._grid_nccl = nccl_group(info["host"], info["port"], rank, info["world_size"], self._device())
         return {"rank": self._grid().rank, "nccl_rank": rank}
-
-    def grid_set_faults(self, faults_json: str) -> list:
-        if os.environ.get(FAULTS_ENV) != "1":
-            raise PermissionError(f"fault injection is for tests: set {FAULTS_ENV}=1 in the engine's environment")
-        self._grid().faults = set(json.loads(faults_json))
-        return sorted(self._grid().faults)
 

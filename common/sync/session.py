@@ -86,6 +86,10 @@ class EngineAdapter:
     def kv_scale_values(self) -> dict:
         return {}
 
+    def kv_scales_used(self) -> bool:
+        """Whether the engine's KV cache reads scales (False: a BF16 cache, the trainer's scales are moot)."""
+        return True
+
 
 def _now() -> float:
     return time.perf_counter()
@@ -342,6 +346,10 @@ class UpdateSession:
         t0 = _now()
         problems = list(kv_problems)
         want = self.manifest.kv_scales or {}
+        if want and not self.adapter.kv_scales_used():
+            res = CheckResult("cache_coherence", not problems, problems, _now() - t0, self.adapter.rank)
+            res.details.append("the KV cache is not FP8: the trainer's KV scales are not used (not compared)")
+            return res
         have = self.adapter.kv_scale_values()
         for layer, (k, v) in want.items():
             got = have.get(int(layer))

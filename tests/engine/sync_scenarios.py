@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 def learner_fn(path):
     import transformers
@@ -45,12 +47,15 @@ def maxdiff(a, b):
 
 def main():
     spec = json.loads(sys.argv[1])
-    os.environ["MXFP8_GRID_FAULTS"] = "1"
+    # the engine's workers load the test-only faulty worker extension from this directory
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    sys.path.insert(0, HERE)
+    from fault_worker import WORKER
     from mxfp8_learner_grid.common import swizzle_scales, pad_scales
     from mxfp8_learner_grid.common.convert import convert_hf
     from mxfp8_learner_grid.common.format import rowwise_scale_shape
     from mxfp8_learner_grid.common.tiny_model import save_model
-    from mxfp8_learner_grid.vllm_plugin.client import GRID_WORKER, connect
+    from mxfp8_learner_grid.vllm_plugin.client import connect
     from vllm import LLM
 
     root, moe = spec["root"], spec["kind"] == "moe"
@@ -63,7 +68,7 @@ def main():
     prompts = [[5, 17, 100, 3, 250, 9, 44, 12, 300, 7, 61, 2], [200, 201, 202, 19, 8, 77, 140, 33, 90, 11]]
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype="float32", enforce_eager=True, max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, tensor_parallel_size=spec.get("tp", 1),
-              worker_extension_cls=GRID_WORKER, enable_prefix_caching=True)
+              worker_extension_cls=WORKER, enable_prefix_caching=True)
     serving = {"w": "A", "target": "A"}
     client = connect(llm, digest=spec.get("digest", "full"), probe_prompts=prompts, bucket_bytes=1 << 16,
                      cache_probe_prompt=long,

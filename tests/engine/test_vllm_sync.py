@@ -21,20 +21,14 @@ pytest.importorskip("vllm")
 HERE = os.path.dirname(__file__)
 TOL = 2e-3
 
-# fault -> the check that must catch it (the README counts these)
-FAULTS = {
-    "skip_rebuild": "derived_state",           # stale derived copy (CPU dequantized-weight cache not rebuilt)
-    "swap_kv": "layout",                       # wrong fused-shard offset (k written where v goes)
-    "padding_not_stripped": "layout",          # TE's padded scale buffer sent as is
-    "duplicate_shard": "completeness",         # v written into the k shard: element counts look complete
-    "skip_expert": "completeness",             # a missed expert
-    "swizzled_as_compact": "byte_identity",    # GEMM-swizzled scales labelled compact (same shape)
-    "realloc": "storage_stability",            # a parameter rebound to new storage after loading
-    "crash_midway": "atomic_versioning",       # the transport dies halfway through the update
-    "skip_version": "atomic_versioning",       # version mix: one TP rank serves another version
-    "skipped_cache_flush": "cache_coherence",  # prefix cache kept across the update
-    "skip_kv": "cache_coherence",              # stale FP8 KV-cache scales
-}
+sys.path.insert(0, os.path.join(HERE, ".."))
+from fault_injection import ADAPTER_FAULTS, FAULTS  # noqa: E402   (test machinery: tests/fault_injection.py)
+
+DENSE_ORDER = ["clean_bf16", "clean_mxfp8", "skip_rebuild", "swap_kv", "duplicate_shard", "realloc",
+               "crash_midway", "padding_not_stripped", "swizzled_as_compact", "skip_kv", "skipped_cache_flush",
+               "clean_bf16_back"]
+MOE_ORDER = ["clean_bf16", "clean_mxfp8", "skip_expert"]
+TP2_ORDER = ["clean_bf16", "skip_version", "clean_mxfp8"]
 
 
 def run(spec, tp=1):
@@ -67,9 +61,7 @@ def assert_caught(res, fault, previous):
 
 
 def test_dense_updates_and_faults(tmp_path):
-    order = ["clean_bf16", "clean_mxfp8", "skip_rebuild", "swap_kv", "duplicate_shard", "realloc",
-             "crash_midway", "padding_not_stripped", "swizzled_as_compact", "skip_kv", "skipped_cache_flush",
-             "clean_bf16_back"]
+    order = DENSE_ORDER
     res = run({"kind": "dense", "tp": 1, "root": str(tmp_path), "scenarios": order})
     assert_clean(res["clean_bf16"], "B")             # BF16 weights, quantized in the engine (TE-exact)
     assert_clean(res["clean_mxfp8"], "A")            # the learner's fp8 bytes + scales, copied as is
@@ -80,21 +72,29 @@ def test_dense_updates_and_faults(tmp_path):
 
 
 def test_moe_updates_and_missed_expert(tmp_path):
-    res = run({"kind": "moe", "tp": 1, "root": str(tmp_path), "scenarios": ["clean_bf16", "clean_mxfp8",
-                                                                           "skip_expert"]})
+    res = run({"kind": "moe", "tp": 1, "root": str(tmp_path), "scenarios": MOE_ORDER})
     assert_clean(res["clean_bf16"], "B")
     assert_clean(res["clean_mxfp8"], "A")
     assert_caught(res["skip_expert"], "skip_expert", "A")
 
 
 def test_tensor_parallel_updates_and_version_mix(tmp_path):
-    res = run({"kind": "moe", "tp": 2, "root": str(tmp_path), "scenarios": ["clean_bf16", "skip_version",
-                                                                           "clean_mxfp8"]}, tp=2)
+    res = run({"kind": "moe", "tp": 2, "root": str(tmp_path), "scenarios": TP2_ORDER}, tp=2)
     assert_clean(res["clean_bf16"], "B")
     assert_caught(res["skip_version"], "skip_version", "B")
     assert_clean(res["clean_mxfp8"], "A")
 
 
-def test_every_condition_has_an_injected_failure():
+def test_every_condition_has_an_injected_failure_that_the_suite_runs():
+    """Each of the seven conditions has a fault that must trip it, every fault is run by one of the
+    engine tests above, and the production plugin carries none of the machinery."""
+    import inspect
+    import re
     from mxfp8_learner_grid.common.sync.report import CONDITIONS
-    assert set(FAULTS.values()) == set(CONDITIONS) and len(FAULTS) == 11
+    from mxfp8_learner_grid.vllm_plugin import sync_adapter, worker
+    assert set(FAULTS.values()) == set(CONDITIONS)
+    assert set(FAULTS) <= set(DENSE_ORDER) | set(MOE_ORDER) | set(TP2_ORDER)
+    assert ADAPTER_FAULTS <= set(FAULTS)
+    for mod in (sync_adapter, worker):
+        src = inspect.getsource(mod)
+        assert not re.search(r"\bfaults?\b|injected", src) and not any(f in src for f in ADAPTER_FAULTS), mod.__name__

@@ -41,20 +41,12 @@ import torch  # noqa: E402
 
 from mxfp8_learner_grid.common.sync.report import CONDITIONS  # noqa: E402
 
-# fault -> the check that must name it
-FAULTS = {
-    "swap_kv": "layout",                       # k written where v goes (wrong fused-shard offset)
-    "padding_not_stripped": "layout",          # TE's padded scale buffer sent as is (refused before any write)
-    "duplicate_shard": "completeness",         # v loaded into the k shard: counts look complete
-    "skip_expert": "completeness",             # the loader drops expert 1
-    "swizzled_as_compact": "byte_identity",    # GEMM-swizzled scales labelled compact (same shape)
-    "realloc": "storage_stability",            # post-processing rebinds a parameter
-    "crash_midway": "atomic_versioning",       # the transport dies after the first bucket: rollback verified
-    "nan_tensor": "atomic_versioning",         # a NaN weight, refused mid-load: rollback verified
-    "skip_version": "atomic_versioning",       # the last TP rank reports the old version
-    "skip_kv": "cache_coherence",              # FP8 KV-cache scales not applied
-    "skipped_cache_flush": "cache_coherence",  # prefix cache kept across the update
-}
+sys.path.insert(0, os.path.join(HERE, ".."))
+from fault_injection import FAULTS as _ALL_FAULTS, FaultyAdapterMixin  # noqa: E402   (test machinery)
+
+# fault -> the check that must name it: the shared catalogue (tests/fault_injection.py), less
+# skip_rebuild (run by the vLLM suite), plus a NaN weight refused mid-load (rollback verified)
+FAULTS = {**{f: c for f, c in _ALL_FAULTS.items() if f != "skip_rebuild"}, "nan_tensor": "atomic_versioning"}
 NOT_UNDONE = ("skip_version", "skipped_cache_flush")   # applied; a rollback cannot fix these
 PROBE = list(range(3, 40))                             # the cache probe prompt
 
@@ -208,11 +200,34 @@ def scenario(sc: str, serving: str, p: dict):
     return other, "bf16", p[other][1], {}, [sc.split("@")[0]]
 
 
+def install_faulty_worker(model) -> None:
+    """This rank's grid worker, with the faulty adapter and ``grid_set_faults`` (test machinery:
+    ``updater.worker_for`` returns the worker kept on the model, so this one serves every call)."""
+    from mxfp8_learner_grid.sglang_plugin.sync_adapter import SGLangAdapter
+    from mxfp8_learner_grid.sglang_plugin.updater import GridWorker
+
+    class FaultySGLangAdapter(FaultyAdapterMixin, SGLangAdapter):
+        pass
+
+    class FaultyGridWorker(GridWorker):
+        adapter_cls = FaultySGLangAdapter
+        faulty = True
+
+        def call(self, method, args, tensors):
+            if method == "grid_set_faults":
+                return self.adapter.set_faults(json.loads(args[0]))
+            return super().call(method, args, tensors)
+
+    if not getattr(vars(model).get("_mxfp8_grid_worker"), "faulty", False):
+        w = model._mxfp8_grid_worker = FaultyGridWorker(model)
+        w.adapter.skip_version_rank = w.world - 1           # the last TP rank lies about its version
+
+
 def run_scenarios(H, model, p: dict, scenarios: list, rank: int = 0, world: int = 1) -> dict:
     """Drive each scenario through the client; per scenario: the report's verdict and what the
     engine holds afterwards (bytes vs both learners, fingerprints before/after)."""
     from mxfp8_learner_grid.common.sync.client import GridSyncClient
-    os.environ["MXFP8_GRID_FAULTS"] = "1"
+    install_faulty_worker(model)
     cls = _transport_class()
     serving, out = "A", {}
     for step, sc in enumerate(scenarios, 1):
@@ -288,6 +303,18 @@ def assert_caught(res, fault, previous):
 
 # -- TP=1 ------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", autouse=True)
+def fp8_kv_server():
+    """These scenarios run as a server with an FP8 KV cache, so that the trainer's KV scales are
+    used (and checked, and the skip_kv fault can be caught); with a BF16 cache SGLang's layers get
+    no scales at all (``LearnerGridConfig.kv_cache_method``)."""
+    from mxfp8_learner_grid.sglang_plugin import compat
+    old = compat.server_kv_cache_dtype
+    compat.server_kv_cache_dtype = lambda: "fp8_e4m3"
+    yield
+    compat.server_kv_cache_dtype = old
+
+
 @pytest.fixture(scope="module")
 def dense(sgl):
     p = payloads(sgl, moe=False)
@@ -361,7 +388,7 @@ TP2_ORDER = ["clean_bf16", "clean_mxfp8", "skip_expert", "swap_kv", "crash_midwa
 def test_tp2_moe_updates_and_faults():
     from sgl_helpers import free_port
     port = str(free_port())
-    env = dict(os.environ, SGLANG_NCCL_SO_PATH="/nonexistent", MXFP8_GRID_FAULTS="1")
+    env = dict(os.environ, SGLANG_NCCL_SO_PATH="/nonexistent")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r), "2", port], cwd=HERE, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -385,8 +412,10 @@ def test_tp2_moe_updates_and_faults():
 def _tp_main(rank: int, world: int, port: int) -> None:
     import sgl_helpers as H
     H.init_dist(rank, world, port)
+    from mxfp8_learner_grid.sglang_plugin import compat
     from mxfp8_learner_grid.sglang_plugin.register import register
     register()
+    compat.server_kv_cache_dtype = lambda: "fp8_e4m3"       # as the TP=1 fixture fp8_kv_server
     p = payloads(H, moe=True)
     model = build_engine(H, True, p["A"][1])
     res = run_scenarios(H, model, p, TP2_ORDER, rank, world)
