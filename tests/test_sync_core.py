@@ -280,6 +280,29 @@ def test_kv_scales_roll_back_with_the_weights():
     assert ad.kv[0] == (1.0, 2.0) and torch.equal(ad.m.weight.data, torch.zeros(64, 96))
 
 
+def test_kv_scales_are_moot_for_an_engine_whose_kv_cache_reads_none():
+    """A BF16 KV cache reads no scales: a trainer that sends them anyway is not refused (the
+    check says why it did not compare), while an FP8 cache without them is a failure."""
+    class NoKV(TinyAdapter):
+        used = False
+
+        def kv_scales_used(self):
+            return self.used
+
+        def set_kv_scales(self, scales):      # nowhere to put them (SGLang with a BF16 cache)
+            return []
+    for used, ok in ((False, True), (True, False)):
+        ad = NoKV()
+        ad.used = used
+        w = torch.randn(64, 96)
+        s = UpdateSession(ad, Manifest.of({"weight": w}, 1, "bf16", kv_scales={"0": [0.5, 0.25]}))
+        s.load([("weight", w)])
+        rep = s.finish()
+        kv = rep.check("cache_coherence")[0]
+        assert kv.ok is ok, rep.summary()
+        assert ("not used" in " ".join(kv.details)) is (not used)
+
+
 def test_a_failure_after_the_commit_reports_the_update_applied():
     from mxfp8_learner_grid.common.sync.client import GridSyncClient
     ad = TinyAdapter()
