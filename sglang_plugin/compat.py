@@ -96,11 +96,7 @@ def quantization_registries() -> list[dict]:
 
 def kv_cache_dtype() -> str:
     """``--kv-cache-dtype`` of the running server ("auto" outside one, e.g. in layer tests)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-        return str(getattr(get_server_args(), "kv_cache_dtype", "auto") or "auto")
-    except Exception:
-        return "auto"
+    return server_kv_cache_dtype() or "auto"
 
 
 def server_kv_cache_dtype():

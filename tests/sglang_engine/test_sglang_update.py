@@ -77,7 +77,7 @@ def test_fp8_kv_cache_scales_from_the_trainer(sgl, monkeypatch, caplog):
     from mxfp8_learner_grid.sglang_plugin import compat
     from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
     from mxfp8_learner_grid.sglang_plugin.kv_cache import LearnerGridKVCacheMethod
-    monkeypatch.setattr(compat, "kv_cache_dtype", lambda: "fp8_e4m3")
+    monkeypatch.setattr(compat, "server_kv_cache_dtype", lambda: "fp8_e4m3")
 
     attn = _attention(LearnerGridConfig())
     assert isinstance(attn.quant_method, LearnerGridKVCacheMethod)
@@ -116,6 +116,8 @@ def test_qwen3_kv_scales_load_through_the_plugin_hooks(tmp_path):
         from sglang.srt.plugins import load_plugins
         load_plugins()
         import torch
+        from mxfp8_learner_grid.sglang_plugin import compat
+        compat.server_kv_cache_dtype = lambda: "fp8_e4m3"     # a server with an FP8 KV cache
         from mxfp8_learner_grid.common.kv_scales import kv_scale_tensors
         from mxfp8_learner_grid.sglang_plugin.config import LearnerGridConfig
         from mxfp8_learner_grid.sglang_plugin.kv_cache import LearnerGridKVCacheMethod
