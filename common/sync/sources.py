@@ -180,9 +180,13 @@ class ShardedSource(TrainerSource):
             yield self._drive(cur)
 
     def lookup(self, names):
+        """One gather per unit that holds a wanted name, yielded before the next (byte identity
+        samples nearly every tensor: gathering them together would hold the model)."""
         want = set(names)
-        units = [u for u in self.state if any(n in want for n, _, _ in _expand_meta(u, self.state[u].shape, None))]
-        return iter([(n, t) for n, t in self._drive(units) if n in want] if units else [])
+        for u in [u for u in self.state if any(n in want for n, _, _ in _expand_meta(u, self.state[u].shape, None))]:
+            for n, t in self._drive([u]):
+                if n in want:
+                    yield n, t
 
     def close(self):
         if not self._closed and self.rank == self.src:
