@@ -95,29 +95,39 @@ def main():
     if args.worker:
         return worker(args.shape, args.worker, concs, opts)
     import vllm
+    run_arms(__file__, args.arms.split(","), args.shape, args.conc, args.arm_timeout, args.out,
+             f"vllm {vllm.__version__}", extra=["--grid-options", args.grid_options], grid_options=opts)
+
+
+def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid_options=None):
+    """Each arm in its own process (``script --worker ARM``), its ROW lines recorded as JSON lines in
+    ``out`` (date, shape, arm, conc, out_tok_s, load_s, engine, commit, secs), ratios to bf16 printed.
+    Shared with bench_e2e_sglang.py."""
     # the device copy of the tree may carry a stale .git: the caller can name the commit (GRID_COMMIT)
     commit = os.environ.get("GRID_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                              capture_output=True, text=True).stdout.strip()
     rows = {}
-    with open(args.out, "a") as f:
-        for arm in args.arms.split(","):
-            cmd = [sys.executable, __file__, "--worker", arm, "--shape", args.shape, "--conc", args.conc,
-                   "--grid-options", args.grid_options]
+    with open(out, "a") as f:
+        for arm in arms:
+            cmd = [sys.executable, script, "--worker", arm, "--shape", shape, "--conc", conc, *extra]
             t0 = time.time()
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=arm_timeout)
                 text, rc = r.stdout + r.stderr, r.returncode
             except subprocess.TimeoutExpired as exc:
                 text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"
             got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+            kernels = sorted({ln.split("-> kernel", 1)[1].strip()[:120] for ln in text.splitlines() if "-> kernel" in ln})
+            if kernels:
+                print(f"[{arm}] kernels: {kernels[:6]}", flush=True)
             if not got:
                 print(f"[{arm}] failed (rc {rc}, {time.time() - t0:.0f} s):\n" + text[-3000:], flush=True)
             for g in got:
-                rec = {"date": datetime.date.today().isoformat(), "shape": args.shape, "arm": arm, "conc": g["conc"],
-                       "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": f"vllm {vllm.__version__}",
+                rec = {"date": datetime.date.today().isoformat(), "shape": shape, "arm": arm, "conc": g["conc"],
+                       "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": engine,
                        "commit": commit, "secs": g["secs"]}
-                if arm == "grid" and opts:
-                    rec["options"] = opts
+                if arm == "grid" and grid_options:
+                    rec["options"] = grid_options
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 rows[(arm, g["conc"])] = rec
@@ -125,7 +135,7 @@ def main():
     for (arm, c), rec in sorted(rows.items()):
         base = rows.get(("bf16", c))
         if base and arm != "bf16":
-            print(f"{args.shape} {arm:6s} conc {c:3d}: {rec['out_tok_s'] / base['out_tok_s']:.2f}x bf16 "
+            print(f"{shape} {arm:6s} conc {c:3d}: {rec['out_tok_s'] / base['out_tok_s']:.2f}x bf16 "
                   f"(load {rec['load_s']:.0f} s vs {base['load_s']:.0f} s)", flush=True)
 
 

@@ -16,16 +16,14 @@ concurrency): date, shape, arm, conc, out_tok_s, load_s, engine, commit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_e2e import make_model_dir  # noqa: E402
+from bench_e2e import make_model_dir, run_arms  # noqa: E402
 
 
 def worker(shape, arm, concs):
@@ -72,34 +70,8 @@ def main():
     if args.worker:
         return worker(args.shape, args.worker, concs)
     import sglang
-    commit = os.environ.get("GRID_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                             capture_output=True, text=True).stdout.strip()
-    rows = {}
-    with open(args.out, "a") as f:
-        for arm in args.arms.split(","):
-            cmd = [sys.executable, __file__, "--worker", arm, "--shape", args.shape, "--conc", args.conc]
-            t0 = time.time()
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
-                text, rc = r.stdout + r.stderr, r.returncode
-            except subprocess.TimeoutExpired as exc:
-                text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"
-            got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
-            kernels = sorted({ln.split("-> kernel", 1)[1].strip()[:120] for ln in text.splitlines() if "-> kernel" in ln})
-            if kernels:
-                print(f"[{arm}] kernels: {kernels[:6]}", flush=True)
-            if not got:
-                print(f"[{arm}] failed (rc {rc}, {time.time() - t0:.0f} s):\n" + text[-3000:], flush=True)
-            for g in got:
-                rec = {"date": datetime.date.today().isoformat(), "shape": args.shape, "arm": arm, "conc": g["conc"],
-                       "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": f"sglang {sglang.__version__}",
-                       "commit": commit, "secs": g["secs"]}
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                rows[(arm, g["conc"])] = g["out_tok_s"]
-    for (arm, c), v in sorted(rows.items()):
-        base = rows.get(("bf16", c))
-        print(f"{args.shape} {arm:6s} conc {c:3d}: {v:8.1f} tok/s" + (f"  x{v / base:.2f} bf16" if base else ""))
+    run_arms(__file__, args.arms.split(","), args.shape, args.conc, args.arm_timeout, args.out,
+             f"sglang {sglang.__version__}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,8 @@ import datetime
 import json
 
 import torch
-import triton
 
-from bench_fast_path import commit
+from bench_fast_path import commit, time_graph
 
 from mxfp8_learner_grid.common import quantize_rows
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers
@@ -46,15 +45,6 @@ def make_layer(e, h, i, seed):
     layer.grid_kernel = choose(spec)
     layer.grid_kernel.process_weights_after_loading(layer)
     return layer, bf
-
-
-def time_graph(fns):
-    def run():
-        for f in fns:
-            f()
-    run()
-    torch.cuda.synchronize()
-    return 1000.0 * triton.testing.do_bench_cudagraph(run, rep=60) / len(fns)
 
 
 def main():

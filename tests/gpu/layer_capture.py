@@ -103,6 +103,23 @@ def check(data):
     return rows
 
 
+def summarize(rows, **head):
+    """The summary line and the verdict (dense: >= 99 % equal and within the FP32 bound; MoE:
+    relative error < 2e-3, >= 98 % within one ulp) -- shared with layer_capture_sglang.py."""
+    dense = [r for r in rows if "equal" in r]
+    moe = [r for r in rows if "rel" in r]
+    summary = dict(head, calls=len(rows),
+                   dense_min_equal=min((r["equal"] for r in dense), default=None),
+                   dense_max_ulp=max((r["max_ulp"] for r in dense), default=None),
+                   dense_worst_vs_bound=max((r["worst_vs_bound"] for r in dense), default=None),
+                   moe_max_rel=max((r["rel"] for r in moe), default=None),
+                   moe_min_within_1ulp=min((r["within_1ulp"] for r in moe), default=None),
+                   kernels=sorted({r["kernel"] for r in rows}), ms=sorted({r["m"] for r in rows}))
+    ok = bool(rows) and (not dense or (summary["dense_min_equal"] >= 0.99 and summary["dense_worst_vs_bound"] <= 1)) \
+        and (not moe or (summary["moe_max_rel"] < 2e-3 and summary["moe_min_within_1ulp"] >= 0.98))
+    return summary, ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -126,20 +143,10 @@ def main():
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)            # above the crossover: cuBLAS
     data = llm.apply_model(layer_capture.collect)[0]
     rows = check(data)
-    dense = [r for r in rows if "equal" in r]
-    moe = [r for r in rows if "rel" in r]
-    summary = {"shape": args.shape, "wrapped_layers": n, "calls": len(rows),
-               "dense_min_equal": min((r["equal"] for r in dense), default=None),
-               "dense_max_ulp": max((r["max_ulp"] for r in dense), default=None),
-               "dense_worst_vs_bound": max((r["worst_vs_bound"] for r in dense), default=None),
-               "moe_max_rel": max((r["rel"] for r in moe), default=None),
-               "moe_min_within_1ulp": min((r["within_1ulp"] for r in moe), default=None),
-               "kernels": sorted({r["kernel"] for r in rows}), "ms": sorted({r["m"] for r in rows})}
+    summary, ok = summarize(rows, shape=args.shape, wrapped_layers=n)
     print("SUMMARY " + json.dumps(summary), flush=True)
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
-    ok = (not dense or (summary["dense_min_equal"] >= 0.99 and summary["dense_worst_vs_bound"] <= 1)) and \
-         (not moe or (summary["moe_max_rel"] < 2e-3 and summary["moe_min_within_1ulp"] >= 0.98))
     print("LAYERS_EXACT" if ok else "LAYERS_NOT_EXACT", flush=True)
     try:
         llm.llm_engine.engine_core.shutdown()
