@@ -174,6 +174,8 @@ def scenario(sc: str, serving: str, p: dict):
     from mxfp8_learner_grid.common import pad_scales, swizzle_scales
     from mxfp8_learner_grid.common.format import rowwise_scale_shape
     other = "B" if serving == "A" else "A"
+    if sc == "clean_stream":              # a re-iterable stream (common.sync.sources.StreamSource)
+        return other, "bf16", (lambda: iter(p[other][1].items())), {}, []
     if sc.startswith("clean_mxfp8"):
         return other, "mxfp8", p[other][0], {}, []
     if sc.startswith("clean_bf16") or sc in ("skip_version", "skipped_cache_flush"):
@@ -282,8 +284,8 @@ def assert_clean(res):
     assert not res["open"] and not res["in_session"] and res["versions"] == [res["client_version"]] * len(
         res["versions"])
     assert res["sglang_weight_version"] == str(res["client_version"])
-    assert all(abs(k - res["kv_sent"][0]) < 1e-9 and abs(v - res["kv_sent"][1]) < 1e-9
-               for k, v in [res["kv"]["0"]]), res["kv"]
+    assert all(abs(k - res["kv_sent"][0]) <= 1e-6 * abs(res["kv_sent"][0])       # fp32 scalars
+               and abs(v - res["kv_sent"][1]) <= 1e-6 * abs(res["kv_sent"][1]) for k, v in [res["kv"]["0"]]), res["kv"]
 
 
 def assert_caught(res, fault, previous):
@@ -331,9 +333,10 @@ def test_dense_clean_updates_and_faults(sgl, dense):
     model, p = dense
     order = ["clean_bf16", "clean_mxfp8", "swap_kv", "duplicate_shard", "padding_not_stripped",
              "swizzled_as_compact", "realloc", "crash_midway", "nan_tensor", "skip_kv", "skip_version",
-             "skipped_cache_flush", "clean_bf16@0.5.17"]
+             "skipped_cache_flush", "clean_bf16@0.5.17", "clean_stream"]
     res = run_scenarios(sgl, model, p, order)
     assert_clean(res["clean_bf16"])                   # BF16, quantized in the engine (TE-exact)
+    assert_clean(res["clean_stream"])                 # the same from a stream, through the shared sources
     assert_clean(res["clean_mxfp8"])                  # the learner's fp8 bytes + scales, copied
     calls = res["clean_mxfp8"]["calls"]               # SGLang's session spans the update; the flush is inside
     i = calls.index("pause")
@@ -346,7 +349,7 @@ def test_dense_clean_updates_and_faults(sgl, dense):
     last = res["clean_bf16@0.5.17"]                   # no update sessions (0.5.17): same result
     assert last["applied"] and not last["failed"] and last["holds"] == [last["target"]], last["summary"]
     assert last["calls"] == ["pause", "flush", "continue"]
-    sgl.check_forward(model, p[last["target"]][0])
+    sgl.check_forward(model, p[res["clean_stream"]["target"]][0])      # the last update's weights, computed
 
 
 def test_moe_clean_updates_and_faults(sgl, moe):
