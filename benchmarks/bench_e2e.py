@@ -1,13 +1,15 @@
 """End to end on one GPU: output tokens/s of vLLM with the grid against BF16 and vLLM's own FP8 paths (issue #11).
 
-    python benchmarks/bench_e2e.py --shape qwen3-8b --arms bf16,grid,fp8,mxfp8 --conc 1,16,64 \
-        --out e2e.jsonl [--grid-options '{"prefill_crossover": 1024}'] [--arm-timeout 420]
+    python benchmarks/bench_e2e.py --shape qwen3-8b --arms bf16,grid,grid+,fp8,mxfp8 --conc 1,16,64 \
+        --out e2e.jsonl [--grid-options '{"w8a16_rows": [17, 256]}'] [--reps 3] [--arm-timeout 420]
 
 Each arm runs in its own process (``--worker``): vLLM with its defaults (torch.compile, full and
 piecewise CUDA graphs), ``load_format="dummy"`` weights of the real layer shapes, 512 prompt
 tokens and 256 output tokens per request (ignore_eos), the same seeded prompts for every arm --
 the protocol of ``shared/device/anchor_bench.py``.  ``grid`` is ``--quantization
-mxfp8-learner-grid``.  One JSON line per (arm, concurrency): date, shape, arm, conc, out_tok_s,
+mxfp8-learner-grid`` with its default options, ``grid+`` the same with ``--grid-options``.  Each
+concurrency's batch runs ``--reps`` times on the warm engine; ``out_tok_s`` is the median, ``reps``
+all of them.  One JSON line per (arm, concurrency): date, shape, arm, conc, out_tok_s, reps,
 load_s, engine, commit (+ options); the ratios against bf16 of the same run are printed.
 """
 
@@ -48,13 +50,13 @@ def make_model_dir(shape, layers=None):
     return d
 
 
-def worker(shape, arm, concs, grid_options):
+def worker(shape, arm, concs, grid_options, reps=1):
     from vllm import LLM, SamplingParams
     kw = dict(model=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=1024, gpu_memory_utilization=0.85, max_num_seqs=max(concs))
-    if arm == "grid":
+    if arm in ("grid", "grid+"):
         kw["quantization"] = "mxfp8-learner-grid"
-        if grid_options:
+        if arm == "grid+" and grid_options:
             kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(grid_options)}
     elif arm != "bf16":
         kw["quantization"] = arm
@@ -66,12 +68,16 @@ def worker(shape, arm, concs, grid_options):
     for c in concs:
         prompts = [{"prompt_token_ids": [random.randrange(1000, 100000) for _ in range(512)]} for _ in range(c)]
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
-        t = time.time()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.time() - t
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        print("ROW " + json.dumps({"conc": c, "out_tok_s": round(n / dt, 1), "secs": round(dt, 2),
-                                   "load_s": round(load_s, 1)}), flush=True)
+        rates, secs = [], []
+        for _ in range(reps):
+            t = time.time()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.time() - t
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates.append(round(n / dt, 1))
+            secs.append(round(dt, 2))
+        print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
+                                   "secs": secs, "load_s": round(load_s, 1)}), flush=True)
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -89,14 +95,16 @@ def main():
     ap.add_argument("--grid-options", default="")
     ap.add_argument("--arm-timeout", type=int, default=420)
     ap.add_argument("--worker", default="")
+    ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     opts = json.loads(args.grid_options) if args.grid_options else {}
     if args.worker:
-        return worker(args.shape, args.worker, concs, opts)
+        return worker(args.shape, args.worker, concs, opts, args.reps)
     import vllm
     run_arms(__file__, args.arms.split(","), args.shape, args.conc, args.arm_timeout, args.out,
-             f"vllm {vllm.__version__}", extra=["--grid-options", args.grid_options], grid_options=opts)
+             f"vllm {vllm.__version__}", extra=["--grid-options", args.grid_options, "--reps", str(args.reps)],
+             grid_options=opts)
 
 
 def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid_options=None):
@@ -126,7 +134,9 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                 rec = {"date": datetime.date.today().isoformat(), "shape": shape, "arm": arm, "conc": g["conc"],
                        "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": engine,
                        "commit": commit, "secs": g["secs"]}
-                if arm == "grid" and grid_options:
+                if "reps" in g:
+                    rec["reps"] = g["reps"]
+                if arm == "grid+" and grid_options:
                     rec["options"] = grid_options
                 f.write(json.dumps(rec) + "\n")
                 f.flush()

@@ -9,6 +9,12 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   marlin_w8a16  vLLM's MXFP8 Marlin on x as it is (vLLM's ``mxfp8``: activations not quantized -- off the grid)
   grid_marlin   ours: qdq(x) + Marlin            grid_cublas  ours: qdq(x) + dequantize W + cuBLAS
   grid_triton   the previous grid path (quantize + Triton grid GEMM)
+  grid_w8a16    ours: qdq(x) + the swapped W8A16 Triton GEMM (kernels/w8a16_triton, its default config)
+
+``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
+stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
+[lo, hi) where grid_w8a16 beats grid_marlin on the summed time of the shapes run (the
+``w8a16_rows`` option for an end-to-end run).
 
 Timing: every arm captured in a CUDA graph over enough distinct weight copies that the weights
 cannot stay in the 50 MB L2 (as in a model, where each layer reads its own weights), replayed
@@ -47,14 +53,15 @@ def commit():
         return "?"
 
 
-def make_layer(n, k, seed, crossover):
+def make_layer(n, k, seed, crossover, band=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     wq, ws = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(wq, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
     spec = LayerSpec(prefix="b", kind="linear", device_type="cuda", act_dtype=torch.bfloat16, n=n, k=k,
-                     capability=torch.cuda.get_device_capability(), options={"prefill_crossover": crossover})
+                     capability=torch.cuda.get_device_capability(), options={"prefill_crossover": crossover,
+                                                                   "w8a16_rows": band or []})
     layer.grid_kernel = choose(spec)
     layer.grid_kernel.process_weights_after_loading(layer)
     return layer
@@ -76,12 +83,20 @@ def main():
     ap.add_argument("--out", default="fast_path.jsonl")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--arms", default="", help="only these arms (comma-separated; default all)")
+    ap.add_argument("--w8a16-sweep", action="store_true")
+    ap.add_argument("--sweep-ms", default="16,32,64,128", help="the M values the sweep runs at")
+    ap.add_argument("--band-out", default="")
     args = ap.parse_args()
     from mxfp8_learner_grid.vllm_plugin import compat
     compat.register_kernel_providers()
     ops = providers.get("marlin")
     assert ops is not None, "vLLM's Marlin ops are needed"
     from mxfp8_learner_grid.common.kernels.gemm_triton import grid_gemm
+    from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
+    from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_config, w8a16_gemm
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    total = {}                                    # (m, arm) -> summed us over the shapes
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__}
     out = open(args.out, "w")
@@ -90,6 +105,7 @@ def main():
         copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
         lay_m = [make_layer(n, k, i, 1 << 30) for i in range(copies)]        # always Marlin
         lay_c = [make_layer(n, k, 100 + i, 1) for i in range(copies)]        # always dequant + cuBLAS
+        lay_w = [make_layer(n, k, 200 + i, 1 << 30, [1, 1 << 30]) for i in range(copies)]   # always W8A16
         wb = [dequantize_blocks(l.weight, l.weight_scale_inv).to(torch.bfloat16) for l in lay_m]
         w8 = [l.weight for l in lay_m]
         wcol = [torch.full((1, n), 2.0 ** -7, device="cuda") for _ in lay_m]
@@ -97,7 +113,7 @@ def main():
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             # exactness gate for the grid arms
-            for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c)):
+            for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w)):
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
                        @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
@@ -121,7 +137,16 @@ def main():
                 "grid_cublas": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_c],
                 "grid_triton": [lambda l=l: grid_gemm(*quantize_rows(x, backend="triton"), l.weight,
                                                       l.weight_scale_inv, None, torch.bfloat16) for l in lay_m],
+                "grid_w8a16": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_w],
             }
+            if args.arms:
+                keep = set(args.arms.split(",")) | {"bf16"}
+                arms = {a: f for a, f in arms.items() if a in keep}
+            if args.w8a16_sweep and m in set(map(int, args.sweep_ms.split(","))):
+                for cfg in sweep_configs(m, n, k, sms, w8a16_config(m, n, k, sms)):
+                    arms["w8a16:" + ",".join(map(str, cfg))] = [
+                        lambda l=l, c=cfg: w8a16_gemm(qdq_rows(x, torch.bfloat16), l.weight, l.weight_scale_inv, c)
+                        for l in lay_w]
             us = {}
             for arm, fns in arms.items():
                 try:
@@ -134,14 +159,59 @@ def main():
                            vs_bf16=None if not t else round(us["bf16"] / t, 3))
                 out.write(json.dumps(rec) + "\n")
             out.flush()
+            for arm, t in us.items():
+                if t:
+                    total[(m, arm)] = total.get((m, arm), 0.0) + t
+            sw = {a: t for a, t in us.items() if a.startswith("w8a16:") and t}
+            if sw:
+                a = min(sw, key=sw.get)
+                print(f"{sname:11s} M={m:5d} best w8a16 config {a[6:]}: {sw[a]:.1f} us "
+                      f"(default {us['grid_w8a16'] or 0:.1f}, marlin {us['grid_marlin'] or 0:.1f})", flush=True)
             best[m] = us
-            print(f"{sname:11s} M={m:5d} " + " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us)
-                  + f"  | grid_marlin x{us['bf16'] / us['grid_marlin']:.2f}  grid_cublas x{us['bf16'] / us['grid_cublas']:.2f}",
-                  flush=True)
-        cross = [m for m, u in best.items() if u["grid_cublas"] and u["grid_marlin"] and u["grid_cublas"] < u["grid_marlin"]]
+            print(f"{sname:11s} M={m:5d} " + " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
+                  + "  | " + " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16")
+                                      if us.get(a)), flush=True)
+        cross = [m for m, u in best.items() if u.get("grid_cublas") and u.get("grid_marlin") and u["grid_cublas"] < u["grid_marlin"]]
         print(f"{sname}: dequant+cuBLAS faster than Marlin from M = {min(cross) if cross else 'never'}", flush=True)
-        del lay_m, lay_c, wb
+        del lay_m, lay_c, lay_w, wb
         torch.cuda.empty_cache()
+    ms = sorted({m for m, _ in total})
+    wins = [m for m in ms if total.get((m, "grid_w8a16"), 1e30) < total.get((m, "grid_marlin"), 0.0)]
+    band = []
+    if wins:   # the widest run of consecutive measured M where W8A16 wins, as [lo, hi) -- unmeasured M at its
+               # edges stay on Marlin
+        runs, cur = [], [wins[0]]
+        for m in wins[1:]:
+            if ms.index(m) == ms.index(cur[-1]) + 1:
+                cur.append(m)
+            else:
+                runs.append(cur)
+                cur = [m]
+        runs.append(cur)
+        r = max(runs, key=len)
+        band = [r[0], r[-1] + 1]
+    print("summed over shapes, us: " + "; ".join(
+        f"M={m}: marlin {total.get((m, 'grid_marlin'), 0):.1f} w8a16 {total.get((m, 'grid_w8a16'), 0):.1f} "
+        f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
+    print(f"W8A16_BAND {json.dumps(band)}", flush=True)
+    if args.band_out:
+        with open(args.band_out, "w") as f:
+            json.dump({"w8a16_rows": band}, f)
+
+
+def sweep_configs(m, n, k, sms, default):
+    """A few W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages): tile widths,
+    token tile, split-K (deterministic), warps and stages."""
+    out = {tuple(default)}
+    for bn in (64, 128):
+        for bm in (default[1],):
+            tiles = -(-n // bn) * -(-m // bm)
+            for split in (1, 2, 4, 8):
+                if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
+                    continue
+                for warps, stages in ((4, 3), (4, 4)):
+                    out.add((bn, bm, split, warps, stages))
+    return sorted(out)
 
 
 if __name__ == "__main__":

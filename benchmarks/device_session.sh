@@ -8,6 +8,9 @@
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
 #   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
 #   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
+#        (arms: bf16, grid = defaults, grid+ = with GRID_OPTIONS -- a JSON string or a file holding one; REPS=3)
+#   bash benchmarks/device_session.sh w8a16          # fast-path GPU tests + kernel benchmark with the W8A16 sweep;
+#        writes $OUT/band.json (the rows where W8A16 beats Marlin) for `e2e ... grid+ ... $OUT/band.json`
 #   bash benchmarks/device_session.sh fasttests       # tests/gpu/test_fast_path.py only
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
 #   bash benchmarks/device_session.sh native          # a trainer's plain load_weights on the GPU (Marlin bf16 + Triton fp32, graphs on)
@@ -67,6 +70,13 @@ case "${1:-kernels}" in
   fasttests)   # the fast path's GPU tests only (exactness, graphs, MoE glue vs the torch glue)
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -25
     ;;
+  w8a16)  # the W8A16 middle band: exactness (with every fast-path test), then the kernel benchmark and sweep
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -8
+    python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" --shapes "${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down}" \
+      --ms "${MS:-1,16,32,48,64,96,128,192,256}" --arms bf16,grid_marlin,grid_cublas,grid_w8a16,marlin_w8a16 \
+      --w8a16-sweep --sweep-ms "${SWEEP_MS:-16,64}" --band-out "$OUT/band.json" 2>&1 \
+      | tee "$OUT/bench_fast_path.log" | grep -E "M=|W8A16_BAND|summed|Error" | tail -60
+    ;;
   moe)
     python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -12
     ;;
@@ -83,9 +93,12 @@ case "${1:-kernels}" in
       done
     done
     ;;
-  e2e)    # end to end, arms in the same run: bash device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS_JSON]
+  e2e)    # end to end, arms in the same run: bash device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS_JSON|FILE]
+    opts="${5:-}"
+    if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
+    echo "grid+ options: $opts"
     python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
-      --grid-options "${5:-}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
+      --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
       | grep -v " INFO \| WARNING \|^\s*$" | tail -40
     ;;
   linear)

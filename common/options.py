@@ -6,8 +6,9 @@ Keys (all optional)::
     modules: {include: [...], exclude: [...], layers: [...]}   # common.selection
     kv_cache_scales: optional | required
     emulate: fp8_per_tensor | fp8_block128                      # vLLM, consistency study only
-    kernel: auto | marlin | triton | torch                      # force one kernel (common.grid_kernels)
+    kernel: auto | marlin | w8a16 | triton | torch              # force one kernel (common.grid_kernels)
     prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
+    w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
     wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
@@ -24,7 +25,7 @@ from .wire import QUANT_METHOD
 
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
-                        "kernel", "prefill_crossover", "cpu_weight_cache"})
+                        "kernel", "prefill_crossover", "w8a16_rows", "cpu_weight_cache"})
 KV_CACHE_SCALES = ("optional", "required")
 
 
@@ -39,11 +40,17 @@ class GridOptions:
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scales must be 'optional' or 'required'; got {self.kv_cache_scales!r}")
         kernel = self.raw.get("kernel", "auto")
-        if kernel not in ("auto", "marlin", "triton", "torch"):
-            raise ValueError(f"kernel must be one of auto, marlin, triton, torch; got {kernel!r}")
+        from .grid_kernels import KERNEL_CHOICES
+        if kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}; got {kernel!r}")
         crossover = self.raw.get("prefill_crossover", 1)
         if isinstance(crossover, bool) or not isinstance(crossover, int) or crossover < 1:
             raise ValueError(f"prefill_crossover must be a positive integer (rows); got {crossover!r}")
+        band = self.raw.get("w8a16_rows", [])
+        if not (isinstance(band, (list, tuple)) and (len(band) == 0 or (
+                len(band) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in band)
+                and band[0] <= band[1]))):
+            raise ValueError(f"w8a16_rows must be [] or [lo, hi] with 0 <= lo <= hi (rows); got {band!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.emulate is not None:

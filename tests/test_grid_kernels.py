@@ -44,6 +44,22 @@ def test_marlin_declines_what_it_cannot_compute_exactly():
     assert MarlinLinear.can_implement(spec(n=6144, k=4096))[0]
 
 
+def test_without_marlin_a_cuda_layer_gets_the_w8a16_kernel(monkeypatch):
+    """An engine that ships no MXFP8 Marlin (SGLang) still gets the W8A16 fast path, and a layer it
+    cannot compute exactly falls through to the Triton grid GEMM with the reason logged."""
+    pytest.importorskip("triton")
+    from mxfp8_learner_grid.common.grid_kernels import providers as P
+    from mxfp8_learner_grid.common.grid_kernels.w8a16 import W8A16Linear
+    monkeypatch.setattr(P, "_PROVIDERS", {})
+    cuda = dict(device_type="cuda", capability=(9, 0), n=6144, k=4096)
+    assert choose(spec(**cuda)).name == "w8a16"
+    assert choose(spec(**dict(cuda, k=320))).name == "triton"              # K not whole 128-steps
+    assert choose(spec(**dict(cuda, act_dtype=torch.float32))).name == "triton"
+    assert not W8A16Linear.can_implement(spec(**dict(cuda, has_bias=True)))[0]
+    with pytest.raises(ValueError, match="w8a16: K=320 is not a multiple of 128"):
+        choose(spec(**dict(cuda, k=320), options={"kernel": "w8a16"}))
+
+
 def test_scale_permutation_equals_vllms():
     mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
     fp8u = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_fp8")
@@ -151,3 +167,65 @@ def test_dequant_kernel_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", DEQUANT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+W8A16 = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_gemm
+    g = torch.Generator().manual_seed(0)
+
+    def grid(t):
+        return dequantize_blocks(*quantize_rows(t))
+
+    # 1. the value path alone: x = I gives y = W's decoded values, bit for bit (codes of every kind,
+    #    E4M3 subnormals included, scale bytes 3..200 where every value is exact in bf16)
+    n, k = 48, 128
+    q = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0
+    q[q == 0x80] = 0                       # -0.0: a sum of +0 products and one -0 product is +0
+    s = torch.randint(3, 200, (n, k // 32), dtype=torch.uint8, generator=g)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    got = w8a16_gemm(eye, q.view(torch.float8_e4m3fn), s)
+    ref = dequantize_blocks(q.view(torch.float8_e4m3fn), s).to(torch.bfloat16).t()
+    assert torch.equal(got.view(torch.int16), ref.contiguous().view(torch.int16)), "value path"
+
+    # 2. a GEMM: the exact float64 sum rounded once, up to FP32 summation order; split-K (K = 256 ->
+    #    2 splits of the interpreter's config), rows and columns that do not fill a tile
+    for m, n, k in ((5, 40, 256), (19, 70, 384)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        wq, ws = quantize_rows(w)
+        a = grid(torch.randn(m, k, generator=g)).to(torch.bfloat16)
+        wg = dequantize_blocks(wq, ws)
+        y = w8a16_gemm(a, wq, ws)
+        exact = a.double() @ wg.double().t()
+        bound = a.double().abs() @ wg.double().abs().t() * (k * 2.0 ** -24)
+        ulp = exact.abs() * 2.0 ** -7 + 2.0 ** -133
+        assert ((y.double() - exact).abs() <= ulp + bound).all(), (m, n, k)
+        same = (y.view(torch.int16) == exact.float().to(torch.bfloat16).view(torch.int16)).float().mean()
+        assert same >= 0.99, (m, n, k, float(same))
+        assert torch.equal(w8a16_gemm(a, wq, ws).view(torch.int16), y.view(torch.int16))   # deterministic
+    try:
+        w8a16_gemm(a[:, :96], wq[:, :96], ws[:, :3])
+        raise SystemExit("K = 96 accepted")
+    except ValueError as exc:
+        assert "multiple of 128" in str(exc)
+    print("OK")
+""")
+
+
+def test_w8a16_kernel_under_the_interpreter():
+    """The middle-band W8A16 GEMM's indexing, masks, decode and deterministic split-K, on the CPU."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", W8A16], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+def test_w8a16_band_option():
+    from mxfp8_learner_grid.common.options import GridOptions
+    assert GridOptions.from_dict({"w8a16_rows": [17, 256]}).raw["w8a16_rows"] == [17, 256]
+    GridOptions.from_dict({"w8a16_rows": []})
+    for bad in ([256, 17], [1], "17-256", [True, 4], [-1, 4]):
+        with pytest.raises(ValueError, match="w8a16_rows"):
+            GridOptions.from_dict({"w8a16_rows": bad})

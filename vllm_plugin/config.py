@@ -17,8 +17,9 @@ Options (all optional)::
     kv_cache_scales: optional      # or "required": fail the load if --kv-cache-dtype fp8 has no scales
     emulate: fp8_per_tensor        # STUDY ONLY: the selected modules on another FP8 grid instead
                                    # (common/emulation.py; fp8_per_tensor | fp8_block128), BF16 weights
-    kernel: auto                   # or marlin | triton | torch: force one grid kernel (common/grid_kernels)
+    kernel: auto                   # or marlin | w8a16 | triton | torch: force one grid kernel (common/grid_kernels)
     prefill_crossover: 256         # rows from which dense layers switch Marlin -> W decode + cuBLAS
+    w8a16_rows: [17, 256]          # rows [lo, hi) for which dense layers use the W8A16 Triton GEMM ([]: off)
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or

@@ -3,11 +3,13 @@
 Order of preference (first that ``is_supported`` and ``can_implement`` wins):
 
 * linear: ``marlin`` (activation qdq + vLLM's MXFP8 Marlin, dequantize + cuBLAS from
-  ``prefill_crossover`` rows) -> ``triton`` (the project's grid GEMM) -> ``torch`` (reference);
+  ``prefill_crossover`` rows) -> ``w8a16`` (activation qdq + the project's W8A16 Triton GEMM, the
+  same cuBLAS prefill; needs nothing from the engine) -> ``triton`` (the project's grid GEMM) ->
+  ``torch`` (reference);
 * moe:    ``marlin`` (activation qdq + Marlin MoE, SiLU*up quantized between the GEMMs)
   -> ``triton`` -> ``torch``.
 
-The option ``kernel: auto | marlin | triton | torch`` (quantization_config) forces one; a
+The option ``kernel: auto | marlin | w8a16 | triton | torch`` (quantization_config) forces one; a
 forced kernel that cannot run a layer is an error naming the layer and the reason.
 """
 
@@ -20,14 +22,15 @@ from .base import GridKernel, LayerSpec
 from .marlin import MarlinLinear
 from .marlin_moe import MarlinMoE
 from .portable import TorchLinear, TorchMoE, TritonLinear, TritonMoE
+from .w8a16 import W8A16Linear
 
 log = logging.getLogger("mxfp8_learner_grid")
 
 KERNELS = {
-    "linear": (MarlinLinear, TritonLinear, TorchLinear),
+    "linear": (MarlinLinear, W8A16Linear, TritonLinear, TorchLinear),
     "moe": (MarlinMoE, TritonMoE, TorchMoE),
 }
-KERNEL_CHOICES = ("auto", "marlin", "triton", "torch")
+KERNEL_CHOICES = ("auto", "marlin", "w8a16", "triton", "torch")
 
 _seen: Counter = Counter()
 

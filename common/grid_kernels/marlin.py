@@ -7,10 +7,14 @@ same kind of number.  Products of two such bf16 values are exact in FP32, and th
 below sum them in FP32 and round once to bf16: the learner's grid forward, up to FP32
 summation order -- the tolerance TE's own GEMMs have.
 
-Two GEMMs, chosen per call by the number of rows M (``prefill_crossover``, an option):
+Three GEMMs, chosen per call by the number of rows M (options ``w8a16_rows`` and
+``prefill_crossover``):
 
-* M < crossover: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K; engine-provided,
-  ``providers.get("marlin")``), with FP32 global reduction and no atomics;
+* M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
+  engine-provided, ``providers.get("marlin")``), with FP32 global reduction and no atomics;
+* lo <= M < hi for ``w8a16_rows: [lo, hi]`` (off by default): the project's swapped W8A16 Triton
+  GEMM (``kernels/w8a16_triton``, wgmma on Hopper, deterministic FP32 split-K), which reads the
+  layer's own fp8 codes and scales (no derived tensor);
 * M >= crossover: W decoded once per call into a bf16 scratch tensor
   (``kernels/dequant_triton``, 3 bytes of traffic per weight) and cuBLAS, with
   ``allow_bf16_reduced_precision_reduction`` off so that split-K partials are reduced in FP32.
@@ -77,8 +81,10 @@ def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv:
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_marlin", mutates_args=())
 def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
-                  weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): qdq(x), then Marlin (M < crossover) or dequantize + cuBLAS."""
+                  weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int,
+                  w8a16_lo: int = 0, w8a16_hi: int = 0) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): qdq(x), then Marlin (M < crossover), the W8A16 Triton GEMM
+    (w8a16_lo <= M < w8a16_hi) or dequantize + cuBLAS (M >= crossover)."""
     from ..kernels.qdq_triton import qdq_rows
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -88,13 +94,16 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
     a = qdq_rows(x2, torch.bfloat16)
     if m >= crossover:
         y = dequant_cublas(a, weight, weight_scale_inv)
+    elif w8a16_lo <= m < w8a16_hi:
+        from ..kernels.w8a16_triton import w8a16_gemm
+        y = w8a16_gemm(a, weight, weight_scale_inv)
     else:
         y = providers.get("marlin").gemm(a, marlin_w, marlin_s, workspace, n, k)
     return y.reshape(*x.shape[:-1], n)
 
 
 @linear_marlin.register_fake
-def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover):
+def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -129,6 +138,9 @@ class MarlinLinear(GridKernel):
     def __init__(self, spec):
         super().__init__(spec)
         self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
+        lo, hi = spec.options.get("w8a16_rows") or (0, 0)
+        from ..kernels.w8a16_triton import w8a16_shape_ok
+        self.w8a16 = (int(lo), int(hi)) if w8a16_shape_ok(spec.k) else (0, 0)
 
     def derived_names(self, layer):
         return ("grid_marlin_weight", "grid_marlin_scale")
@@ -157,10 +169,12 @@ class MarlinLinear(GridKernel):
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear_marlin(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
                                                            layer.grid_marlin_workspace, layer.weight,
-                                                           layer.weight_scale_inv, self.crossover)
+                                                           layer.weight_scale_inv, self.crossover, *self.w8a16)
 
     def describe(self):
-        return f"marlin (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
+        lo, hi = self.w8a16
+        band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
+        return f"marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
 
 
 def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:

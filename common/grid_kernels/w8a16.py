@@ -1,0 +1,73 @@
+"""The dense grid Linear with nothing from an engine and nothing derived: activation qdq, then the
+project's swapped W8A16 Triton GEMM (``kernels/w8a16_triton``) below ``prefill_crossover`` rows and
+W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``).
+
+It reads the layer's own fp8 codes and E8M0 scales, so a weight update needs no repack and the
+``derived_state`` check has nothing to rebuild for it.  It is the fast path where the engine ships no
+MXFP8 Marlin (SGLang), and the W8A16 band of the Marlin kernel (option ``w8a16_rows``) in vLLM.
+Exactness: see ``kernels/w8a16_triton`` (both MMA operands are the exact grid values in bf16, FP32
+accumulation, deterministic split-K, one rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import GridKernel
+from .marlin import DEFAULT_PREFILL_CROSSOVER, check_bf16_exact_weights, dequant_cublas
+
+
+@torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
+def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): qdq(x), then W8A16 (M < crossover) or dequantize + cuBLAS."""
+    from ..kernels.qdq_triton import qdq_rows
+    from ..kernels.w8a16_triton import w8a16_gemm
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    a = qdq_rows(x2, torch.bfloat16)
+    y = dequant_cublas(a, weight, weight_scale_inv) if x2.shape[0] >= crossover else w8a16_gemm(a, weight, weight_scale_inv)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@linear_w8a16.register_fake
+def _(x, weight, weight_scale_inv, crossover):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class W8A16Linear(GridKernel):
+    name = "w8a16"
+    kind = "linear"
+
+    @classmethod
+    def is_supported(cls, spec):
+        from .portable import triton_supported
+        return triton_supported(spec)
+
+    @classmethod
+    def can_implement(cls, spec):
+        from ..kernels.w8a16_triton import w8a16_shape_ok
+        if spec.act_dtype != torch.bfloat16:
+            return False, (f"a {spec.act_dtype} model: the W8A16 GEMM writes bf16, and the grid Linear's output "
+                           f"must be rounded once to {spec.act_dtype}")
+        if spec.has_bias:
+            return False, "a bias (no FP32 bias epilogue)"
+        if not w8a16_shape_ok(spec.k):
+            return False, f"K={spec.k} is not a multiple of 128"
+        return True, ""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
+
+    def process_weights_after_loading(self, layer) -> None:
+        check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
+
+    def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
+        return torch.ops.mxfp8_learner_grid.linear_w8a16(x, layer.weight, layer.weight_scale_inv, self.crossover)
+
+    def describe(self):
+        return f"w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
