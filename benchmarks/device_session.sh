@@ -75,14 +75,15 @@ case "${1:-kernels}" in
     python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" --shapes "${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down}" \
       --ms "${MS:-1,16,32,48,64,96,128,192,256}" --arms bf16,grid_marlin,grid_cublas,grid_w8a16,marlin_w8a16 \
       --w8a16-sweep --sweep-ms "${SWEEP_MS:-16,64}" --band-out "$OUT/band.json" 2>&1 \
-      | tee "$OUT/bench_fast_path.log" | grep -E "M=|W8A16_BAND|summed|Error" | tail -60
+      | tee "$OUT/bench_fast_path.log" | grep -E "M=|W8A16_BAND|summed|Error" | grep -v " w8a16:" | tail -60
+    cp "$OUT/band.json" /tmp/band.json 2>/dev/null || true      # $OUT is new in every call: the e2e call reads /tmp
     ;;
   moe)
     python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -12
     ;;
   native) # issue #17 on the GPU: native collective_rpc + load_weights, full and partial, derived tensors checked
-    for kind in dense moe; do
-      for dt in bfloat16 float32; do
+    for kind in ${KINDS:-dense moe}; do
+      for dt in ${DTYPES:-bfloat16 float32}; do
         # the parent trains the tiny tokenizers (tokenizers' thread pool) before vLLM starts its engine
         # process: forked, that engine hung after "Using V2 Model Runner" on the H200 -- spawn it
         TOKENIZERS_PARALLELISM=false VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
@@ -95,9 +96,11 @@ case "${1:-kernels}" in
     ;;
   e2e)    # end to end, arms in the same run: bash device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS_JSON|FILE]
     opts="${5:-}"
+    arms="${3:-bf16,grid}"
     if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
-    echo "grid+ options: $opts"
-    python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
+    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
+    echo "arms: $arms; grid+ options: $opts"
+    python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "$arms" --conc "${4:-1,16,64}" \
       --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
       | grep -v " INFO \| WARNING \|^\s*$" | tail -40
     ;;

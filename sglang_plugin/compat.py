@@ -99,22 +99,30 @@ def kv_cache_dtype() -> str:
     return server_kv_cache_dtype() or "auto"
 
 
-def server_kv_cache_dtype():
-    """``--kv-cache-dtype`` of the running server, or None outside one (layer tests)."""
+def _server_arg(name: str):
+    """A server argument of the running server ("auto" when unset), or None outside one (layer tests)."""
     try:
         from sglang.srt.runtime_context import get_server_args
-        return str(getattr(get_server_args(), "kv_cache_dtype", "auto") or "auto")
+        return str(getattr(get_server_args(), name, "auto") or "auto")
     except Exception:
         return None
 
 
+def server_kv_cache_dtype():
+    """``--kv-cache-dtype`` of the running server, or None outside one (layer tests)."""
+    return _server_arg("kv_cache_dtype")
+
+
+def kv_cache_reads_scales() -> bool:
+    """Does the KV cache read k/v scales?  An FP8 cache does; a BF16 one reads none (and SGLang 0.5.17's
+    fused K/V-cache write asserts that a layer has none).  Outside a server (layer tests): yes."""
+    kv = server_kv_cache_dtype()
+    return kv is None or kv.startswith("fp8")
+
+
 def load_format() -> str:
     """``--load-format`` of the running server ("auto" outside one, e.g. in layer tests)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-        return str(getattr(get_server_args(), "load_format", "auto") or "auto")
-    except Exception:
-        return "auto"
+    return _server_arg("load_format") or "auto"
 
 
 def moe_runner_backend_name() -> str:

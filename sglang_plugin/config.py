@@ -112,8 +112,7 @@ class LearnerGridConfig(compat.QuantizationConfig):
         the layer has none (seen on the H200: Qwen3-MoE, head_dim 32).  Outside a server (layer
         tests) the method is attached."""
         from .kv_cache import LearnerGridKVCacheMethod
-        kv = compat.server_kv_cache_dtype()
-        if kv is not None and not kv.startswith("fp8"):
+        if not compat.kv_cache_reads_scales():
             return None
         return LearnerGridKVCacheMethod(self, prefix)
 

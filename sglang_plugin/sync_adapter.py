@@ -166,8 +166,7 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
     def set_kv_scales(self, scales):
         problems = []
         layers = self._attn_layers()
-        kv = compat.server_kv_cache_dtype()
-        if not layers and kv is not None and not kv.startswith("fp8"):
+        if not layers and not compat.kv_cache_reads_scales():
             return []                            # a BF16 KV cache: no layer reads scales (config.get_quant_method)
         for key, (k, v) in scales.items():
             m = layers.get(int(key))
@@ -185,8 +184,7 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         m.k_scale_float, m.v_scale_float = k, v  # what the attention backends read (SGLang's KV method sets them)
 
     def kv_scales_used(self) -> bool:
-        kv = compat.server_kv_cache_dtype()
-        return kv is None or kv.startswith("fp8") or bool(self._attn_layers())
+        return compat.kv_cache_reads_scales() or bool(self._attn_layers())
 
     def kv_scale_values(self):
         return {i: (float(getattr(m, "k_scale_float", m.k_scale)), float(getattr(m, "v_scale_float", m.v_scale)))

@@ -346,11 +346,10 @@ class UpdateSession:
         t0 = _now()
         problems = list(kv_problems)
         want = self.manifest.kv_scales or {}
-        if want and not self.adapter.kv_scales_used():
-            res = CheckResult("cache_coherence", not problems, problems, _now() - t0, self.adapter.rank)
-            res.details.append("the KV cache is not FP8: the trainer's KV scales are not used (not compared)")
-            return res
-        have = self.adapter.kv_scale_values()
+        unused = bool(want) and not self.adapter.kv_scales_used()
+        if unused:
+            want = {}            # a KV cache that is not FP8 reads no scales: nothing to compare
+        have = self.adapter.kv_scale_values() if want else {}
         for layer, (k, v) in want.items():
             got = have.get(int(layer))
             if got is None:
@@ -358,7 +357,8 @@ class UpdateSession:
             elif abs(got[0] - k) > 1e-6 * max(1.0, k) or abs(got[1] - v) > 1e-6 * max(1.0, v):
                 problems.append(f"layer {layer}: KV scales are {got}, the trainer sent {(k, v)}")
         res = CheckResult("cache_coherence", not problems, problems, _now() - t0, self.adapter.rank)
-        res.details.append("prefix-cache flush is checked by the client (probe)")
+        res.details.append("the KV cache is not FP8: the trainer's KV scales are not used (not compared)" if unused
+                           else "prefix-cache flush is checked by the client (probe)")
         return res
 
     def _engine_as_found(self) -> CheckResult:

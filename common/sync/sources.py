@@ -35,7 +35,7 @@ def _nbytes(shape, dtype) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def _expand(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -155,6 +155,17 @@ def test_w8a16_band_exact(n, k, m):
     assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
 
 
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_w8a16_kernel_exact(m):
+    """The engine-free kernel (SGLang's fast dense path): W8A16 below the crossover, cuBLAS above."""
+    layer = grid_layer(4096, 4096, seed=50 + m)
+    kern = setup_kernel(layer, kernel="w8a16")
+    assert kern.name == "w8a16" and kern.derived(layer) == {}
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    y = kern.apply(layer, x)
+    check_fp32_accumulation(y, x_grid(x), dequantize_blocks(layer.weight, layer.weight_scale_inv))
+
+
 def test_w8a16_band_under_cuda_graph_after_update():
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=11)
