@@ -113,13 +113,18 @@ def main():
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             # exactness gate for the grid arms
+            failed = set()
             for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w)):
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
                        @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
-                y = lay.grid_kernel.apply(lay, x)
-                eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
-                assert eq >= 0.99, f"{sname} M={m} {name}: only {eq:.4f} of elements equal the exact result"
+                try:
+                    y = lay.grid_kernel.apply(lay, x)
+                    eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+                    assert eq >= 0.99, f"{sname} M={m} {name}: only {eq:.4f} of elements equal the exact result"
+                except Exception as exc:       # an arm off the grid (or broken) is not timed
+                    print(f"{sname} M={m} {name} NOT TIMED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    failed.add(name)
 
             def xs8():
                 a = x.float()
@@ -142,7 +147,8 @@ def main():
             if args.arms:
                 keep = set(args.arms.split(",")) | {"bf16"}
                 arms = {a: f for a, f in arms.items() if a in keep}
-            if args.w8a16_sweep and m in set(map(int, args.sweep_ms.split(","))):
+            arms = {a: f for a, f in arms.items() if a not in failed}
+            if args.w8a16_sweep and "grid_w8a16" not in failed and m in set(map(int, args.sweep_ms.split(","))):
                 for cfg in sweep_configs(m, n, k, sms, w8a16_config(m, n, k, sms)):
                     arms["w8a16:" + ",".join(map(str, cfg))] = [
                         lambda l=l, c=cfg: w8a16_gemm(qdq_rows(x, torch.bfloat16), l.weight, l.weight_scale_inv, c)
@@ -166,7 +172,7 @@ def main():
             if sw:
                 a = min(sw, key=sw.get)
                 print(f"{sname:11s} M={m:5d} best w8a16 config {a[6:]}: {sw[a]:.1f} us "
-                      f"(default {us['grid_w8a16'] or 0:.1f}, marlin {us['grid_marlin'] or 0:.1f})", flush=True)
+                      f"(default {us.get('grid_w8a16') or 0:.1f}, marlin {us.get('grid_marlin') or 0:.1f})", flush=True)
             best[m] = us
             print(f"{sname:11s} M={m:5d} " + " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
                   + "  | " + " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16")
