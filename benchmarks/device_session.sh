@@ -88,7 +88,7 @@ case "${1:-kernels}" in
         # process: forked, that engine hung after "Using V2 Model Runner" on the H200 -- spawn it
         TOKENIZERS_PARALLELISM=false VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         timeout 200 python3 tests/engine/native_update.py \
-          "{\"kind\": \"$kind\", \"root\": \"/tmp/native-$kind-$dt\", \"dtype\": \"$dt\", \"eager\": false, \"capture_sizes\": [1, 2, 4, 8]}" \
+          "{\"kind\": \"$kind\", \"root\": \"/tmp/native-$kind-$dt\", \"dtype\": \"$dt\", \"eager\": false, \"capture_sizes\": [1, 2, 4, 8], \"gpu_memory_utilization\": 0.3}" \
           >"$OUT/native-$kind-$dt.log" 2>&1
         grep "^RESULT" "$OUT/native-$kind-$dt.log" | sed "s/^/$kind $dt /" || tail -20 "$OUT/native-$kind-$dt.log"
       done

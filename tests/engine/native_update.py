@@ -72,7 +72,7 @@ def main():
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype=spec.get("dtype", "float32"),
               enforce_eager=spec.get("eager", True),
               **({"compilation_config": {"cudagraph_capture_sizes": spec["capture_sizes"]}} if spec.get("capture_sizes") else {}), max_model_len=256,
-              gpu_memory_utilization=0.1, seed=0, hf_overrides=overrides)
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.1), seed=0, hf_overrides=overrides)
     from vllm import SamplingParams
 
     def engine_lp():
