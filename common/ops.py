@@ -148,8 +148,12 @@ def moe_triton(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
     gu = grid_moe_gemm(xq, xs, w13, w13_s, sorted_ids, block_expert, slots, topk, True, None, x.dtype, bm)
     g, u = gu.chunk(2, dim=-1)
     aq, as_ = quantize_rows(Fn.silu(g) * u, backend="triton")
-    d = grid_moe_gemm(aq, as_, w2, w2_s, sorted_ids, block_expert, slots, topk, False,
-                      topk_weights.reshape(-1).to(torch.float32), torch.float32, bm)
+    # each expert's down output is rounded to x's dtype (the expert GEMM's output, as in the reference
+    # and the learner), then weighted and summed in FP32: a down GEMM that kept its FP32 sum and
+    # applied the router weight in its epilogue was off the reference by that rounding (2.6e-3
+    # relative in bf16, seen inside SGLang on the H200)
+    d = grid_moe_gemm(aq, as_, w2, w2_s, sorted_ids, block_expert, slots, topk, False, None, x.dtype, bm)
+    d = d.to(torch.float32) * topk_weights.reshape(-1, 1).to(torch.float32)
     # slots routed to experts of other ranks were never written: mask them out
     d = torch.where((local_ids.reshape(-1, 1) >= 0), d, torch.zeros((), dtype=d.dtype, device=d.device))
     return d.reshape(t, topk, h).sum(dim=1).to(x.dtype)

@@ -69,6 +69,14 @@ GEMM_SCRIPT = textwrap.dedent("""
     r = ops.moe_reference(x, q13[keep], s13[keep], q2[keep], s2[keep], tw, loc)
     o = ops.moe_triton(x, q13[keep], s13[keep], q2[keep], s2[keep], tw, loc)
     assert ((o - r).norm() / r.norm()).item() < 1e-6
+    # bf16: each expert's down output is rounded to bf16 before the FP32 combine, as in the reference.
+    # Only FP32 summation order may differ (a gate_up element on a rounding boundary can move one
+    # SiLU*up code): nearly every element within one bf16 ulp.  Without the rounding: ~87 %.
+    xb = (torch.randn(t, h) * 2).to(torch.bfloat16)
+    r, o = ops.moe_reference(xb, q13, s13, q2, s2, tw, ids), ops.moe_triton(xb, q13, s13, q2, s2, tw, ids)
+    key = lambda v: (lambda i: torch.where(i < 0, -(i & 0x7FFF), i))(v.view(torch.int16).to(torch.int32))
+    within = ((key(o) - key(r)).abs() <= 1).float().mean().item()
+    assert within >= 0.98 and ((o.double() - r.double()).norm() / r.double().norm()).item() < 2e-3, within
     print("OK")
 """)
 

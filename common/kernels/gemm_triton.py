@@ -33,6 +33,14 @@ def _e8m0_to_f32(e):
 
 
 @triton.jit
+def _f32_bits_to_bf16_bits(vbits):
+    """Round-to-nearest-even fp32 -> bf16 on bit patterns (non-NaN input; inf stays inf,
+    overflow rounds to inf, subnormals round correctly).  Returns int32 holding the 16 bits."""
+    a = vbits & 0x7FFFFFFF
+    return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((vbits >> 16) & 0x8000)
+
+
+@triton.jit
 def _e4m3_to_f32(q, HW: tl.constexpr):
     """uint8 E4M3 codes -> fp32 values (exact).  HW: the GPU's conversion; else integer decode."""
     if HW:
@@ -193,6 +201,7 @@ def _grid_moe_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
     A_PER_TOKEN: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr,
+    BF16_BITS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -224,7 +233,11 @@ def _grid_moe_kernel(
         w = tl.load(topk_w_ptr + slots, mask=s_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
     y_ptrs = y_ptr + slots[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=s_ok[:, None] & n_ok[None, :])
+    if BF16_BITS:   # the interpreter's bf16 cast truncates: store the round-to-nearest-even bit pattern
+        out = _f32_bits_to_bf16_bits(acc.to(tl.int32, bitcast=True)).to(tl.int16)
+    else:
+        out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=s_ok[:, None] & n_ok[None, :])
 
 
 def moe_block_m(num_slots: int) -> int:
@@ -245,10 +258,12 @@ def grid_moe_gemm(aq, as_, wq, ws, sorted_ids, block_expert, num_slots: int, top
     y = torch.empty((num_slots, n), dtype=out_dtype, device=aq.device)
     bn, bk, warps, stages = (32, 64, 4, 1) if interpreting() else (64, 128, 4, 3)
     grid = (block_expert.numel(), triton.cdiv(n, bn))
+    bits = interpreting() and out_dtype == torch.bfloat16
     _grid_moe_kernel[grid](
-        aq, as_, wq, ws, y, topk_weights if topk_weights is not None else y, sorted_ids, block_expert,
+        aq, as_, wq, ws, y.view(torch.int16) if bits else y, topk_weights if topk_weights is not None else y,
+        sorted_ids, block_expert,
         n, k, num_slots, topk,
         aq.stride(0), as_.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
-        A_PER_TOKEN=a_per_token, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        A_PER_TOKEN=a_per_token, MUL_ROUTED_WEIGHT=topk_weights is not None, BF16_BITS=bits,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, HW=not interpreting(), num_warps=warps, num_stages=stages)
     return y

@@ -73,7 +73,7 @@ import triton.language as tl
 
 from .. import format as F
 from . import interpreting
-from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32
+from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32, _f32_bits_to_bf16_bits  # noqa: F401 (re-exported)
 from .quantize_triton import _e8m0_from_amax_bits, _encode_e4m3, _scale_reciprocal
 
 #: smallest scale byte whose every block value is exact in each output dtype (and the largest for fp16)
@@ -100,14 +100,6 @@ def _mul_f32_exact(a, b, USE_ASM: tl.constexpr):
         return r.to(tl.float32, bitcast=True)
     else:
         return a * b
-
-
-@triton.jit
-def _f32_bits_to_bf16_bits(vbits):
-    """Round-to-nearest-even fp32 -> bf16 on bit patterns (non-NaN input; inf stays inf,
-    overflow rounds to inf, subnormals round correctly).  Returns int32 holding the 16 bits."""
-    a = vbits & 0x7FFFFFFF
-    return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((vbits >> 16) & 0x8000)
 
 
 @triton.jit
