@@ -67,7 +67,9 @@ def worker(shape, arm, concs, grid_options, reps=1):
     random.seed(0)
     for c in concs:
         prompts = [{"prompt_token_ids": [random.randrange(1000, 100000) for _ in range(512)]} for _ in range(c)]
-        llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
+        # warm-up with the whole batch: on the H200 the first full batch ran 10-40 % slower in every arm
+        # (2026-12-01, REPS=2), so a single cold batch understates the steady state
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
         rates, secs = [], []
         for _ in range(reps):
             t = time.time()

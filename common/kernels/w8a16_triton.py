@@ -114,13 +114,14 @@ def w8a16_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int,
     """(BLOCK_N, BLOCK_M, SPLIT_K, num_warps, num_stages) for an M x N x K problem."""
     if interpreting():
         return 32, 16, 2 if k % 256 == 0 else 1, 4, 1
+    # measured on the H200 (benchmarks/bench_fast_path.py --w8a16-sweep, 2026-12-01, Qwen3-8B shapes at
+    # M = 16 and 64): BLOCK_N 64 beats 128, a split of 2 beats 4 and 8 even where 64 tiles leave SMs
+    # idle, and 3 stages beat 4 (by up to 1.45x at M = 64, where 4 stages cost occupancy)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bn = 64
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    split = 1          # split K (deterministically) until the tiles fill the SMs once, keeping >= 4 K steps
-    while tiles * split < sms and k % (BLOCK_K * split * 2) == 0 and k // (split * 2) >= 4 * BLOCK_K:
-        split *= 2
-    return bn, bm, split, 4, 4
+    split = 2 if tiles < sms and k % (2 * BLOCK_K) == 0 and k // 2 >= 4 * BLOCK_K else 1
+    return bn, bm, split, 4, 3
 
 
 def w8a16_gemm(x_grid: torch.Tensor, q: torch.Tensor, s: torch.Tensor, config=None,
