@@ -5,13 +5,11 @@ permutation against vLLM's own (pure torch) functions, the deterministic slot or
 weight-decode kernel under Triton's interpreter, and the chooser's fallbacks and errors.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreter import run_ok
 
 from mxfp8_learner_grid.common import quantize_rows
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers
@@ -164,9 +162,7 @@ DEQUANT = textwrap.dedent("""
 
 def test_dequant_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", DEQUANT], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    run_ok(DEQUANT)
 
 
 W8A16 = textwrap.dedent("""
@@ -217,9 +213,7 @@ W8A16 = textwrap.dedent("""
 def test_w8a16_kernel_under_the_interpreter():
     """The middle-band W8A16 GEMM's indexing, masks, decode and deterministic split-K, on the CPU."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", W8A16], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    run_ok(W8A16)
 
 
 def test_w8a16_band_option():

@@ -42,6 +42,16 @@ class LayerSpec:
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def bf16_output_no_bias(spec: LayerSpec, kernel: str) -> tuple[bool, str]:
+    """The rule of the weight-only kernels that write bf16 and have no FP32 bias epilogue."""
+    if spec.act_dtype != torch.bfloat16:
+        return False, (f"a {spec.act_dtype} model: {kernel} writes bf16, and the grid Linear's output must be "
+                       f"rounded once to {spec.act_dtype}")
+    if spec.has_bias:
+        return False, f"a bias ({kernel} has no FP32 bias epilogue)"
+    return True, ""
+
+
 class GridKernel:
     """Base class.  Subclasses set ``name`` and ``kind`` and override what they need."""
 

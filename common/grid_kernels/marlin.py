@@ -33,7 +33,7 @@ import torch
 
 from .. import format as F
 from . import providers
-from .base import GridKernel, LayerSpec
+from .base import GridKernel, LayerSpec, bf16_output_no_bias
 
 #: default M from which the dense layer takes the dequantize + cuBLAS path.  Measured on the H200
 #: (benchmarks/bench_fast_path.py, 2026-12-01): for every Qwen3-8B projection Marlin wins at M <= 64
@@ -126,11 +126,9 @@ class MarlinLinear(GridKernel):
 
     @classmethod
     def can_implement(cls, spec):
-        if spec.act_dtype != torch.bfloat16:
-            return False, (f"a {spec.act_dtype} model: Marlin writes bf16, and the grid Linear's output must be "
-                           f"rounded once to {spec.act_dtype}")
-        if spec.has_bias:
-            return False, "a bias (the Marlin path has no FP32 bias epilogue)"
+        ok, why = bf16_output_no_bias(spec, "Marlin")
+        if not ok:
+            return ok, why
         if not marlin_shape_ok(spec.n, spec.k):
             return False, f"shape N={spec.n}, K={spec.k} is not a Marlin tile multiple"
         return True, ""

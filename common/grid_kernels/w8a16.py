@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .base import GridKernel
+from .base import GridKernel, bf16_output_no_bias
 from .marlin import DEFAULT_PREFILL_CROSSOVER, check_bf16_exact_weights, dequant_cublas
 
 
@@ -50,11 +50,9 @@ class W8A16Linear(GridKernel):
     @classmethod
     def can_implement(cls, spec):
         from ..kernels.w8a16_triton import w8a16_shape_ok
-        if spec.act_dtype != torch.bfloat16:
-            return False, (f"a {spec.act_dtype} model: the W8A16 GEMM writes bf16, and the grid Linear's output "
-                           f"must be rounded once to {spec.act_dtype}")
-        if spec.has_bias:
-            return False, "a bias (no FP32 bias epilogue)"
+        ok, why = bf16_output_no_bias(spec, "the W8A16 GEMM")
+        if not ok:
+            return ok, why
         if not w8a16_shape_ok(spec.k):
             return False, f"K={spec.k} is not a multiple of 128"
         return True, ""
