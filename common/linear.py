@@ -21,18 +21,10 @@ from .tensor import dequantize_blocks
 
 
 def check_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, name: str = "weight") -> None:
-    """Raise ``ValueError`` naming ``name`` unless (weight, scales) is a wire-format pair."""
-    if weight.dtype != F.FP8_DTYPE:
-        raise ValueError(f"{name}: on-grid weight must be {F.FP8_DTYPE}; got {weight.dtype}")
-    if weight_scale_inv.dtype != F.SCALE_DTYPE:
-        raise ValueError(f"{name}: scales must be {F.SCALE_DTYPE} (E8M0); got {weight_scale_inv.dtype}")
-    k = weight.shape[-1]
-    if k % F.BLOCK_SIZE:
-        raise ValueError(f"{name}: in_features {k} is not a multiple of {F.BLOCK_SIZE}")
-    want = (*weight.shape[:-1], k // F.BLOCK_SIZE)
-    if tuple(weight_scale_inv.shape) != want:
-        raise ValueError(f"{name}: scales have shape {tuple(weight_scale_inv.shape)}; expected {want} "
-                         f"(unpadded compact [N, K/32] for weight {tuple(weight.shape)})")
+    """Raise ``ValueError`` (``wire.WireFormatError``) naming ``name`` unless (weight, scales) is a
+    wire-format pair: the one rule set of ``wire.check_pair``."""
+    from .wire import check_pair
+    check_pair(name, weight, weight_scale_inv)
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,11 @@ and this project's update session all write through the loader wrappers of
   describe the bytes the parameters hold.
 
 Before ``process_weights_after_loading`` (the engine's first load) nothing is derived yet
-and writes are only counted.
+and writes are only counted.  The same holds while an engine rebuilds a layer: vLLM's layerwise
+reload (the start/finish of its weight-transfer engines) puts the layer's parameters on the
+meta device and drops its buffers, replays the loads, then runs ``process_weights_after_loading``
+again, which derives from the new bytes; vLLM then copies the result into the live storage (the
+kernels register derived tensors as persistent buffers for that copy).
 """
 
 from __future__ import annotations
@@ -58,12 +62,20 @@ def refresh_layer(layer, experts: Optional[Iterable] = None) -> None:
     """Rebuild ``layer``'s derived tensors in place (``experts``: local expert ids to rebuild,
     ``None`` or a set holding :data:`WHOLE`: everything)."""
     kernel = getattr(layer, "grid_kernel", None)
-    if kernel is None or not getattr(layer, "grid_processed", False):
+    if kernel is None or not getattr(layer, "grid_processed", False) or rebuilding(layer, kernel):
         return
     experts = None if experts is None else set(experts)
     if experts is not None and WHOLE in experts:
         experts = None
     kernel.refresh(layer, None if experts is None else sorted(experts))
+
+
+def rebuilding(layer, kernel) -> bool:
+    """Is an engine rebuilding ``layer`` (its derived tensors gone, or its parameters on the meta
+    device)?  Then ``process_weights_after_loading`` derives everything afresh when it is done."""
+    if any(not hasattr(layer, name) for name in kernel.derived_names(layer)):
+        return True
+    return any(p.is_meta for p in layer.parameters(recurse=False))
 
 
 @contextlib.contextmanager

@@ -51,6 +51,11 @@ def is_scale_name(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
+def _scales_label(name: str) -> str:
+    """How an error names the scales of weight ``name`` (their wire name where ``name`` is one)."""
+    return scale_name(name) if name.endswith(WEIGHT_SUFFIX) else f"{name} scales"
+
+
 def check_pair(name: str, data: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
     """Validate one on-grid weight and its scales; raise :class:`WireFormatError` naming ``name``.
 
@@ -63,7 +68,7 @@ def check_pair(name: str, data: torch.Tensor, scales: Optional[torch.Tensor]) ->
     if data.dtype != F.FP8_DTYPE:
         raise WireFormatError(f"{name}: on-grid weight must be {F.FP8_DTYPE}; got {data.dtype}")
     if scales.dtype != F.SCALE_DTYPE:
-        raise WireFormatError(f"{scale_name(name)}: scales must be uint8 (E8M0); got {scales.dtype}")
+        raise WireFormatError(f"{_scales_label(name)}: scales must be uint8 (E8M0); got {scales.dtype}")
     if data.dim() not in (2, 3):
         raise WireFormatError(f"{name}: on-grid weight must be 2-D [N, K] or 3-D [E, N, K]; "
                               f"got shape {tuple(data.shape)}")
@@ -76,10 +81,10 @@ def check_pair(name: str, data: torch.Tensor, scales: Optional[torch.Tensor]) ->
         hint = ""
         if scales.dim() == len(want) and all(s >= w for s, w in zip(scales.shape, want)):
             hint = " (TE padding not stripped? send scale_inv[:N, :K/32])"
-        raise WireFormatError(f"{scale_name(name)}: shape {tuple(scales.shape)}; expected {want} "
+        raise WireFormatError(f"{_scales_label(name)}: shape {tuple(scales.shape)}; expected {want} "
                               f"for weight {tuple(data.shape)}{hint}")
     if scales.numel() and int(scales.max()) == F.E8M0_NAN:
-        raise WireFormatError(f"{scale_name(name)}: holds the E8M0 NaN code 255")
+        raise WireFormatError(f"{_scales_label(name)}: holds the E8M0 NaN code 255")
 
 
 def split_state_dict(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],

@@ -13,8 +13,8 @@ rank, in lockstep, inside SGLang's weight-update session.  The bridge:
 * request: the payload's first entry is the control message -- the name ``CONTROL + json``
   ({"method", "args", "reply"}) with an empty tensor; for ``grid_update_load`` the bucket's
   tensors follow it, so the bytes travel SGLang's way;
-* execution: the rank's :class:`GridWorker` runs the method (the ``grid_*`` methods of
-  ``vllm_plugin/worker.py``).  Nothing escapes ``grid_loader``: an exception there would stop
+* execution: the rank's :class:`GridWorker` runs the method (``common.sync.rank_service``'s
+  calls, as ``vllm_plugin/worker.py`` does).  Nothing escapes ``grid_loader``: an exception there would stop
   SGLang's scheduler, so an error is a result;
 * reply: the ranks all-gather their results over SGLang's TP CPU group and each writes the
   list, atomically, to ``reply``: a ``.json`` file in an ``mxfp8-grid-*`` directory directly
@@ -33,7 +33,6 @@ into SGLang).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -41,10 +40,8 @@ import tempfile
 
 import torch
 
-from mxfp8_learner_grid.common.sync.digest import fingerprint
-from mxfp8_learner_grid.common.sync.manifest import Manifest
+from mxfp8_learner_grid.common.sync.rank_service import RankService
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
-from mxfp8_learner_grid.common.sync.session import UpdateSession
 
 from .sync_adapter import SGLangAdapter
 
@@ -56,6 +53,9 @@ REPLY_DIRS_ENV = "MXFP8_GRID_REPLY_DIRS"
 REPLY_PREFIX = "mxfp8-grid-"
 METHODS = ("grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit",
            "grid_update_abort", "grid_state", "grid_fingerprints")
+#: the RankService call behind each grid_* method name (the others are GridWorker's own)
+CALLS = {"grid_update_begin": "begin", "grid_update_finish": "finish", "grid_update_commit": "commit",
+         "grid_update_abort": "abort", "grid_fingerprints": "fingerprints"}
 
 
 def _tp_group():
@@ -76,25 +76,27 @@ def _sglang_weight_version():
         return None
 
 
-class GridWorker:
-    """The grid_* methods on one TP rank (see vllm_plugin/worker.py for the same surface)."""
+class GridWorker(RankService):
+    """The grid_* methods on one TP rank: ``common.sync.rank_service.RankService`` (the same surface
+    as vllm_plugin/worker.py), plus SGLang's two ways a bucket arrives and the shadowed loader."""
 
     adapter_cls = SGLangAdapter           # a subclass may name another (the test suites' faulty adapter)
 
     def __init__(self, model: torch.nn.Module):
         rank, self.world, _ = _tp_group()
-        self.adapter = self.adapter_cls(model, rank)
-        self.session: UpdateSession | None = None
-        self.open = False                   # a begun update not yet committed or aborted
+        super().__init__(lambda: self.adapter_cls(model, rank))
         self.received: list[str] = []       # names SGLang's own update paths loaded (shadowed loader)
         self.load_error: BaseException | None = None
+        self.adapter                        # made now: the shadowed loader needs the model
 
     # -- the shadowed loader ----------------------------------------------------------------
-    def _shadow(self, on: bool) -> None:
+    def on_open(self) -> None:
+        self.received, self.load_error = [], None
+        self.adapter.model().load_weights = self._shadowed_load
+
+    def on_close(self) -> None:
         model = self.adapter.model()
-        if on:
-            model.load_weights = self._shadowed_load
-        elif "load_weights" in vars(model):
+        if "load_weights" in vars(model):
             del model.load_weights
 
     def _shadowed_load(self, weights, *args, **kwargs):
@@ -110,39 +112,15 @@ class GridWorker:
             logger.error("mxfp8-learner-grid: weight update failed while loading: %s", exc)
             self.load_error = exc
 
-    def _close(self) -> None:
-        self.open = False
-        self._shadow(False)
-
-    def _require_session(self) -> UpdateSession:
-        if self.session is None or not self.open:
-            raise RuntimeError("no grid update is open on this rank (grid_update_begin first)")
-        return self.session
-
     # -- grid_* ---------------------------------------------------------------------------
-    def grid_update_begin(self, manifest_json: str, options_json: str = "{}") -> dict:
-        opts, manifest, ad = json.loads(options_json), Manifest.from_json(manifest_json), self.adapter
-        if self.open:                       # a previous update never committed: undo it first
-            self.grid_update_abort()
-        ad.partial = manifest.partial
-        self.received, self.load_error = [], None
-        self.session = UpdateSession(ad, manifest, backup=opts.get("backup", True),
-                                     digest=opts.get("digest", "sampled"),
-                                     fraction=float(opts.get("fraction", 0.05)), seed=int(opts.get("seed", 0)),
-                                     verify=bool(opts.get("verify", False)))
-        self.open = True
-        self._shadow(True)
-        return {"rank": ad.rank, "begun": True}
-
     def grid_update_load(self, source_json: str, tensors=()) -> dict:
-        s = self._require_session()
+        self.require()
         src = json.loads(source_json)
         if src.get("kind") == "inline":                 # the bucket came with this request
             names = [n for n, _ in tensors]
             if names != list(src.get("names", names)):
                 raise UpdateRejected(f"bucket arrived garbled: {len(names)} tensors, {len(src['names'])} announced")
-            s.load(list(tensors))
-            return {"rank": self.adapter.rank, "tensors": len(names)}
+            return self.load(tensors)
         if src.get("kind") == "loaded":                 # it came through SGLang's own update path
             got, self.received = self.received, []
             if self.load_error is not None:
@@ -154,41 +132,15 @@ class GridWorker:
             return {"rank": self.adapter.rank, "tensors": len(got)}
         raise ValueError(f"unknown bucket source kind {src.get('kind')!r} (SGLang buckets are 'inline' or 'loaded')")
 
-    def grid_update_finish(self) -> dict:
-        s = self._require_session()
-        r = s.finish()
-        return dataclasses.asdict(r)
-
-    def grid_update_commit(self, accept: str = "1") -> dict:
-        s, ad = self._require_session(), self.adapter
-        ok = s.commit(accept in ("1", "true", "True"))
-        self._close()
-        return {"rank": ad.rank, "applied": ok, "version": ad.version}
-
-    def grid_update_abort(self) -> dict:
-        check = None
-        if self.session is not None and self.open:
-            check = dataclasses.asdict(self.session.abort())
-        self._close()
-        return {"rank": self.adapter.rank, "version": self.adapter.version, "check": check}
-
     def grid_state(self) -> dict:
-        ad = self.adapter
-        return {"rank": ad.rank, "version": ad.version, "torn": bool(self.session.torn) if self.session else False,
-                "open": self.open, "grid_layers": sum(1 for _ in ad.grid_layers()), "derived": len(ad.registry),
-                "sglang_weight_version": _sglang_weight_version()}
-
-    def grid_fingerprints(self, names_json: str = "[]") -> dict:
-        params = dict(self.adapter.model().named_parameters())
-        names = json.loads(names_json) or list(params)
-        return {n: fingerprint(params[n]) for n in names if n in params}
+        return {**self.state(), "sglang_weight_version": _sglang_weight_version()}
 
     def call(self, method: str, args: list, tensors: list):
         if method not in METHODS:
             raise ValueError(f"{method!r} is not a grid method; known: {METHODS}")
         if method == "grid_update_load":
             return self.grid_update_load(*args, tensors=tensors)
-        return getattr(self, method)(*args)
+        return getattr(self, CALLS.get(method, method))(*args)
 
 
 def worker_for(model: torch.nn.Module) -> GridWorker:

@@ -63,7 +63,7 @@ def test_check_weight_errors_name_the_tensor():
     w, wq, ws = make()
     with pytest.raises(ValueError, match="layer.w: on-grid weight must be"):
         check_weight(w, ws, "layer.w")
-    with pytest.raises(ValueError, match=r"layer.w: scales have shape \(128, 8\)"):
+    with pytest.raises(ValueError, match=r"layer.w scales: shape \(128, 8\); expected \(96, 5\)"):
         check_weight(wq, torch.zeros(128, 8, dtype=torch.uint8), "layer.w")
     with pytest.raises(ValueError, match="uint8"):
         check_weight(wq, ws.float(), "layer.w")

@@ -71,6 +71,14 @@ class GridKernel:
         return True, ""
 
     # -- derived state -------------------------------------------------------------------
+    @staticmethod
+    def register_derived_buffer(layer, name: str, tensor: torch.Tensor) -> None:
+        """Attach a derived tensor to ``layer``.  Persistent, on purpose: vLLM's layerwise reload
+        (its weight-transfer engines' start/finish) rebuilds a layer on the meta device, runs
+        ``process_weights_after_loading`` again and copies the new tensors back into the live
+        storage -- but skips non-persistent buffers, which would leave a derived copy stale."""
+        layer.register_buffer(name, tensor, persistent=True)
+
     def derived_names(self, layer) -> tuple[str, ...]:
         """Attributes of ``layer`` this kernel derives from its parameters."""
         return ()

@@ -147,9 +147,9 @@ class MarlinLinear(GridKernel):
         ops = providers.get("marlin")
         check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         if not hasattr(layer, "grid_marlin_weight"):
-            layer.register_buffer("grid_marlin_weight", marlin_weight(ops, layer.weight), persistent=False)
-            layer.register_buffer("grid_marlin_scale", marlin_scales(layer.weight_scale_inv), persistent=False)
-            layer.register_buffer("grid_marlin_workspace", ops.workspace(layer.weight.device), persistent=False)
+            self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
+            self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
+            self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device))
         else:
             self.refresh(layer)
 

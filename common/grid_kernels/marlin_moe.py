@@ -172,10 +172,10 @@ class MarlinMoE(GridKernel):
         if not hasattr(layer, "grid_marlin_w13"):
             for which in ("w13", "w2"):
                 w, s = self._stack(layer, which)
-                layer.register_buffer(f"grid_marlin_{which}", w, persistent=False)
-                layer.register_buffer(f"grid_marlin_{which}_scale", s, persistent=False)
-            layer.register_buffer("grid_marlin_workspace", providers.get("marlin").workspace(layer.w13_weight.device, 4),
-                                  persistent=False)
+                self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
+                self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
+            workspace = providers.get("marlin").workspace(layer.w13_weight.device, 4)
+            self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
         else:
             self.refresh(layer)
 

@@ -42,8 +42,8 @@ class TorchLinear(GridKernel):
         if not self.cache:
             return
         if not hasattr(layer, "weight_dequant"):
-            layer.register_buffer("weight_dequant", dequantize_weight(layer.weight, layer.weight_scale_inv),
-                                  persistent=False)
+            self.register_derived_buffer(layer, "weight_dequant",
+                                         dequantize_weight(layer.weight, layer.weight_scale_inv))
         else:
             self.refresh(layer)
 

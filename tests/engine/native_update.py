@@ -1,12 +1,16 @@
 """A trainer that never imports this project updates a live engine (run by test_vllm_native_update.py).
 
     python native_update.py '{"kind": "dense" | "moe", "root": DIR, "kernel": "auto", "dtype": "float32", "eager": true,
-                                "capture_sizes": [1, 2, 4, 8]}'
+                                "capture_sizes": [1, 2, 4, 8], "path": "collective_rpc" | "weight_transfer"}'
 
 As RL frameworks do it today: ``llm.collective_rpc(fn)`` where ``fn(worker)`` calls
 ``worker.model_runner.model.load_weights(weights=iter(pairs))`` with HF-named BF16-representable
 tensors -- first every tensor of model B (full update), then only decoder layer 0 of model A
-(partial update).  After each, prompt logprobs are compared with the learner's grid forward of
+(partial update).  ``path`` "weight_transfer" sends the same tensors through vLLM's weight-transfer
+API instead (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``, a backend shaped like vLLM's NCCL and IPC engines: a layerwise reload
+around ``model.load_weights``; ``layerwise_backend.py``).  After each, prompt logprobs are
+compared with the learner's grid forward of
 the weights the engine should now hold (float32), and the untouched layers' parameter digests
 with what they were, and every kernel's derived tensors (packed weights, permuted scales, decoded
 copies) with a rebuild from the new bytes.  ``dtype`` bfloat16 runs the GPU's Marlin kernels
@@ -20,6 +24,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sync_scenarios import learner_fn, load_dir, maxdiff, report_and_exit  # noqa: E402
+
+
+def push_weight_transfer(llm, pairs, version):
+    """vLLM's weight-transfer API, as an RL framework that uses it calls it."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"names": [n for n, _ in pairs], "tensors": [t for _, t in pairs]}})
+    llm.finish_weight_update(weight_version=version)
+
+
+def derived_ptrs(model):
+    """owner.name -> data_ptr of every derived tensor of the on-grid kernels (storage must not move)."""
+    return {f"{n}.{d}": t.data_ptr() for n, m in model.named_modules() if getattr(m, "grid_kernel", None) is not None
+            for d, (t, _) in m.grid_kernel.derived(m).items()}
 
 
 def push(pairs):
@@ -42,6 +59,11 @@ def two_models(spec):
 
 def main():
     spec = json.loads(sys.argv[1])
+    transfer = spec.get("path", "collective_rpc") == "weight_transfer"
+    if transfer:        # the test backend hands tensors over in the request: an in-process engine
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import layerwise_backend
+        layerwise_backend.register()
     from safetensors.torch import load_file, save_file
     from vllm import LLM
 
@@ -72,7 +94,8 @@ def main():
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype=spec.get("dtype", "float32"),
               enforce_eager=spec.get("eager", True),
               **({"compilation_config": {"cudagraph_capture_sizes": spec["capture_sizes"]}} if spec.get("capture_sizes") else {}), max_model_len=256,
-              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.1), seed=0, hf_overrides=overrides)
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.1), seed=0, hf_overrides=overrides,
+              **({"weight_transfer_config": {"backend": "layerwise_local"}} if transfer else {}))
     from vllm import SamplingParams
 
     def engine_lp():
@@ -85,13 +108,23 @@ def main():
     def state():
         return llm.apply_model(inspect.param_digests)[0]
 
-    out = {"start_vs_A": maxdiff(engine_lp(), learner["A"](prompts))}
-    llm.collective_rpc(push(list(wb.items())))
+    if transfer:
+        llm.init_weight_transfer_engine({"init_info": {}})
+
+        def update(pairs, version):
+            push_weight_transfer(llm, pairs, version)
+    else:
+        def update(pairs, version):
+            llm.collective_rpc(push(pairs))
+
+    ptrs = llm.apply_model(derived_ptrs)[0]
+    out = {"start_vs_A": maxdiff(engine_lp(), learner["A"](prompts)), "path": spec.get("path", "collective_rpc")}
+    update(list(wb.items()), "B")
     lp = engine_lp()
     out["full_vs_B"], out["full_vs_A"] = maxdiff(lp, learner["B"](prompts)), maxdiff(lp, learner["A"](prompts))
     out["full_stale_derived"] = llm.apply_model(inspect.stale_derived)[0]
     before = state()
-    llm.collective_rpc(push(list(layer0.items())))
+    update(list(layer0.items()), "M")
     after = state()
     lp = engine_lp()
     out["partial_vs_M"], out["partial_vs_B"] = maxdiff(lp, learner["M"](prompts)), maxdiff(lp, learner["B"](prompts))
@@ -100,6 +133,10 @@ def main():
     out["touched_unchanged"] = sorted(n for n in before if ".layers.0." in n and n.endswith("weight")
                                       and before[n] == after[n])
     out["kernels"] = sorted(set(llm.apply_model(inspect.grid_kernels)[0].values()))
+    now = llm.apply_model(derived_ptrs)[0]
+    out["derived_moved"] = sorted(n for n in ptrs if now.get(n) != ptrs[n])      # captured graphs read these
+    if transfer:
+        out["weight_version"] = llm.get_weight_version()
     report_and_exit(llm, out)
 
 

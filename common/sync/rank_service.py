@@ -1,0 +1,114 @@
+"""The ``grid_*`` surface of one engine rank, once for both engines.
+
+Each plugin reaches its ranks its own way -- vLLM's ``collective_rpc`` calls methods of a worker
+extension (``vllm_plugin/worker.py``), SGLang runs a custom weight loader on every TP rank
+(``sglang_plugin/updater.py``) -- and moves the bucket bytes its own way.  What a rank does with
+a call is the same, and lives here:
+
+    begin(manifest_json, options_json)   validate, snapshot, start recording (an open update that
+                                         was never committed is rolled back first)
+    load(items)                          one bucket of (name, tensor) through the engine's loaders
+    finish()                             the local checks + region fingerprints (report dict)
+    commit("1" | "0")                    accept (bump the version) or roll back
+    abort()                              roll back now
+    state()                              version, torn flag, open flag, on-grid layer count
+    fingerprints(names_json)             fingerprints of named parameters
+
+Arguments and results are strings and JSON-able dicts, so the same calls work in-process and
+across processes.  A call that needs an open update (load, finish, commit) is refused without
+one, with the same words on every engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable, Iterable, Optional
+
+from .digest import fingerprint
+from .manifest import Manifest
+from .session import UpdateSession
+
+#: the options of ``begin`` and their defaults (the client sends them as JSON)
+SESSION_DEFAULTS = {"backup": True, "digest": "sampled", "fraction": 0.05, "seed": 0, "verify": False}
+
+
+def session_options(options_json: str) -> dict:
+    """``UpdateSession`` keyword arguments from the client's options JSON (unknown keys ignored)."""
+    opts = {**SESSION_DEFAULTS, **json.loads(options_json or "{}")}
+    return {"backup": opts["backup"], "digest": opts["digest"], "fraction": float(opts["fraction"]),
+            "seed": int(opts["seed"]), "verify": bool(opts["verify"])}
+
+
+class RankService:
+    """One rank's update state: the engine adapter (made on first use by ``adapter_factory``),
+    the current session, and whether an update is open (begun, not yet committed or aborted).
+    Engines hook ``on_open`` / ``on_close`` (SGLang shadows the model's loader meanwhile)."""
+
+    def __init__(self, adapter_factory: Callable[[], object]):
+        self._factory = adapter_factory
+        self._adapter = None
+        self.session: Optional[UpdateSession] = None
+        self.open = False
+
+    @property
+    def adapter(self):
+        if self._adapter is None:
+            self._adapter = self._factory()
+        return self._adapter
+
+    # -- hooks ------------------------------------------------------------------------------
+    def on_open(self) -> None:
+        """Called once an update is open."""
+
+    def on_close(self) -> None:
+        """Called when it is committed or aborted."""
+
+    # -- the calls ----------------------------------------------------------------------------
+    def require(self) -> UpdateSession:
+        if self.session is None or not self.open:
+            raise RuntimeError("no grid update is open on this rank (grid_update_begin first)")
+        return self.session
+
+    def begin(self, manifest_json: str, options_json: str = "{}") -> dict:
+        kwargs, manifest, ad = session_options(options_json), Manifest.from_json(manifest_json), self.adapter
+        if self.open:                        # a previous update never committed (client died or gave up)
+            self.abort()
+        ad.partial = manifest.partial
+        self.session = UpdateSession(ad, manifest, **kwargs)
+        self.open = True
+        self.on_open()
+        return {"rank": ad.rank, "begun": True}
+
+    def load(self, items: Iterable) -> dict:
+        items = list(items)
+        self.require().load(items)
+        return {"rank": self.adapter.rank, "tensors": len(items)}
+
+    def finish(self) -> dict:
+        return dataclasses.asdict(self.require().finish())
+
+    def commit(self, accept: str = "1") -> dict:
+        ok = self.require().commit(accept in ("1", "true", "True"))
+        self._close()
+        return {"rank": self.adapter.rank, "applied": ok, "version": self.adapter.version}
+
+    def abort(self) -> dict:
+        s = self.session
+        check = dataclasses.asdict(s.abort()) if s is not None and not getattr(s, "aborted", False) else None
+        self._close()
+        return {"rank": self.adapter.rank, "version": self.adapter.version, "check": check}
+
+    def state(self) -> dict:
+        ad = self.adapter
+        return {"rank": ad.rank, "version": ad.version, "torn": bool(self.session.torn) if self.session else False,
+                "open": self.open, "grid_layers": sum(1 for _ in ad.grid_layers()), "derived": len(ad.registry)}
+
+    def fingerprints(self, names_json: str = "[]") -> dict:
+        params = dict(self.adapter.model().named_parameters())
+        names = json.loads(names_json) or list(params)
+        return {n: fingerprint(params[n]) for n in names if n in params}
+
+    def _close(self) -> None:
+        self.open = False
+        self.on_close()
