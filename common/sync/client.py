@@ -35,7 +35,7 @@ import torch
 from ..quantize import quantize_rows
 from .sources import TrainerSource, as_source
 from .manifest import Manifest
-from .recorder import UpdateRejected, backup_mode
+from .recorder import backup_mode
 from .report import CheckResult, SyncReport
 from .session import fingerprint_regions
 from .transport import run_beside
@@ -113,15 +113,7 @@ class GridSyncClient:
         committed = False
         try:
             t0 = time.perf_counter()
-            begun = self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
-            refused = [b for b in begun if not b.get("begun", True)]
-            if refused:                     # rejected before any write, as data: {condition: [problem]}
-                by_condition: dict = {}
-                for b in refused:
-                    for cond, probs in (b.get("rejected") or {}).items():
-                        seen = by_condition.setdefault(cond, [])
-                        seen += [p for p in probs if p not in seen]          # every rank sees the same
-                raise UpdateRejected(refused[0].get("error") or "update rejected before any write", by_condition)
+            self.t.rpc("grid_update_begin", manifest.to_json(), json.dumps(opts))
             for bucket in src.buckets(self.bucket_bytes):
                 self._load_bucket(bucket)
                 del bucket                              # one bucket alive while the next is made
@@ -186,8 +178,7 @@ class GridSyncClient:
                                                      [f"after the commit: {type(exc).__name__}: {exc}"]))
                 else:
                     report.applied, report.rolled_back = False, backup_mode(self.backup) != ""
-                    report.checks += [CheckResult(cond, False, probs)
-                                      for cond, probs in getattr(exc, "problems", {}).items()]
+                    report.checks += _classify_rejection(str(exc))
                 report.checks.append(self._versions(self.version))
         finally:
             if paused:
@@ -254,3 +245,18 @@ class GridSyncClient:
         ok = diff <= self.probe_tolerance
         return CheckResult("probe", ok, [f"{self.probe_stat} |logprob diff| vs the learner's grid forward: {diff:.2e} "
                                          f"(tolerance {self.probe_tolerance})"], time.perf_counter() - t0)
+
+
+def _classify_rejection(msg: str) -> list[CheckResult]:
+    """Turn an engine's pre-write rejection into the named condition it protects."""
+    if "rejected before any write" not in msg:
+        return []
+    body = msg.split("rejected before any write:", 1)[1]
+    out = []
+    layout = [p.strip() for p in body.split(";") if any(k in p for k in ("expected uint8", "padding", "shape", "dtype"))]
+    complete = [p.strip() for p in body.split(";") if any(k in p for k in ("unknown", "missing", "misses", "twice"))]
+    if layout:
+        out.append(CheckResult("layout", False, layout))
+    if complete:
+        out.append(CheckResult("completeness", False, complete))
+    return out

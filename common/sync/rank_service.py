@@ -6,9 +6,7 @@ extension (``vllm_plugin/worker.py``), SGLang runs a custom weight loader on eve
 a call is the same, and lives here:
 
     begin(manifest_json, options_json)   validate, snapshot, start recording (an open update that
-                                         was never committed is rolled back first); a manifest
-                                         refused before any write is answered as data:
-                                         {"begun": false, "rejected": {condition: [problem]}}
+                                         was never committed is rolled back first)
     load(items)                          one bucket of (name, tensor) through the engine's loaders
     finish()                             the local checks + region fingerprints (report dict)
     commit("1" | "0")                    accept (bump the version) or roll back
@@ -29,7 +27,6 @@ from typing import Callable, Iterable, Optional
 
 from .digest import fingerprint
 from .manifest import Manifest
-from .recorder import UpdateRejected
 from .session import UpdateSession
 
 #: the options of ``begin`` and their defaults (the client sends them as JSON)
@@ -78,11 +75,7 @@ class RankService:
         if self.open:                        # a previous update never committed (client died or gave up)
             self.abort()
         ad.partial = manifest.partial
-        try:
-            self.session = UpdateSession(ad, manifest, **kwargs)
-        except UpdateRejected as exc:        # nothing was written: the previous weights serve, whole
-            self.session = None
-            return {"rank": ad.rank, "begun": False, "rejected": exc.problems, "error": str(exc)}
+        self.session = UpdateSession(ad, manifest, **kwargs)
         self.open = True
         self.on_open()
         return {"rank": ad.rank, "begun": True}

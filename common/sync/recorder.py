@@ -42,13 +42,7 @@ def backup_mode(b) -> str:
 
 
 class UpdateRejected(ValueError):
-    """An update that failed validation; the message names the tensor.  ``problems``: the same
-    problems as data, under the sync condition each would break ({condition: [problem, ...]}),
-    so that a rejection crosses processes without its words being parsed."""
-
-    def __init__(self, message: str, problems: dict | None = None):
-        super().__init__(message)
-        self.problems = dict(problems or {})
+    """An update that failed validation; the message names the tensor."""
 
 
 _ACTIVE: list = []
