@@ -58,6 +58,23 @@ def test_without_marlin_a_cuda_layer_gets_the_w8a16_kernel(monkeypatch):
         choose(spec(**dict(cuda, k=320), options={"kernel": "w8a16"}))
 
 
+def test_a_layer_the_engine_is_rebuilding_is_not_refreshed():
+    """vLLM's layerwise reload: parameters on the meta device, derived buffers dropped -- a write
+    refreshes nothing (process_weights_after_loading derives afresh afterwards)."""
+    layer = torch.nn.Module()
+    layer.grid_kernel, layer.grid_processed = _Kernel(), True
+    layer.weight = torch.nn.Parameter(torch.zeros(4, 32, device="meta"), requires_grad=False)
+    layer.register_buffer("d", torch.zeros(2))
+    mark_written(layer)                                       # parameters on meta
+    del layer.d
+    layer.weight = torch.nn.Parameter(torch.zeros(4, 32), requires_grad=False)
+    mark_written(layer)                                       # materialized, derived not there yet
+    assert layer.grid_kernel.calls == []
+    layer.register_buffer("d", torch.zeros(2))
+    mark_written(layer)
+    assert layer.grid_kernel.calls == [None]
+
+
 def test_scale_permutation_equals_vllms():
     mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
     fp8u = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_fp8")
@@ -93,6 +110,7 @@ class _Kernel:
 def test_writes_refresh_at_once_or_once_per_scope():
     layer = torch.nn.Module()
     layer.grid_kernel, layer.grid_processed = _Kernel(), True
+    layer.register_buffer("d", torch.zeros(2))
     mark_written(layer)
     mark_written(layer, 3)
     assert layer.grid_kernel.calls == [None, [3]]           # outside a scope: at once
