@@ -174,10 +174,12 @@ def main():
                 print(f"{sname:11s} M={m:5d} best w8a16 config {a[6:]}: {sw[a]:.1f} us "
                       f"(default {us.get('grid_w8a16') or 0:.1f}, marlin {us.get('grid_marlin') or 0:.1f})", flush=True)
             best[m] = us
-            print(f"{sname:11s} M={m:5d} " + " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
-                  + "  | " + " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16")
-                                      if us.get(a)), flush=True)
-        cross = [m for m, u in best.items() if u.get("grid_cublas") and u.get("grid_marlin") and u["grid_cublas"] < u["grid_marlin"]]
+            times = " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
+            ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16")
+                              if us.get(a))
+            print(f"{sname:11s} M={m:5d} {times}  | {ratios}", flush=True)
+        cross = [m for m, u in best.items()
+                 if u.get("grid_cublas") and u.get("grid_marlin") and u["grid_cublas"] < u["grid_marlin"]]
         print(f"{sname}: dequant+cuBLAS faster than Marlin from M = {min(cross) if cross else 'never'}", flush=True)
         del lay_m, lay_c, lay_w, wb
         torch.cuda.empty_cache()

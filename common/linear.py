@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 
-from . import format as F
 from .quantize import quantize_rows
 from .tensor import dequantize_blocks
 

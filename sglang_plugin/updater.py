@@ -14,8 +14,8 @@ rank, in lockstep, inside SGLang's weight-update session.  The bridge:
   ({"method", "args", "reply"}) with an empty tensor; for ``grid_update_load`` the bucket's
   tensors follow it, so the bytes travel SGLang's way;
 * execution: the rank's :class:`GridWorker` runs the method (``common.sync.rank_service``'s
-  calls, as ``vllm_plugin/worker.py`` does).  Nothing escapes ``grid_loader``: an exception there would stop
-  SGLang's scheduler, so an error is a result;
+  calls, as ``vllm_plugin/worker.py`` does).  Nothing escapes ``grid_loader``: an exception
+  there would stop SGLang's scheduler, so an error is a result;
 * reply: the ranks all-gather their results over SGLang's TP CPU group and each writes the
   list, atomically, to ``reply``: a ``.json`` file in an ``mxfp8-grid-*`` directory directly
   under an allowed root (``MXFP8_GRID_REPLY_DIRS``, default ``/dev/shm`` and the temp dir;

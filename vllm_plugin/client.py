@@ -25,6 +25,8 @@ import os
 from typing import Optional
 
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
+from mxfp8_learner_grid.common.sync.rank_service import refused
+from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
 from mxfp8_learner_grid.common.sync.transport import (cuda_ipc_source, nccl_send, nccl_source, run_beside,
                                                       write_safetensors_bucket)
 
@@ -85,7 +87,10 @@ class LLMTransport(_Staging):
         self.llm = llm
 
     def rpc(self, method, *args):
-        return self.llm.collective_rpc(method, args=tuple(args))
+        results = self.llm.collective_rpc(method, args=tuple(args))
+        if method == "grid_update_begin" and (exc := refused(results)) is not None:
+            raise exc
+        return results
 
     def pause(self):            # an in-process LLM runs nothing while this thread updates it
         pass
@@ -128,6 +133,13 @@ class HTTPTransport(_Staging):
 
     def _post(self, path, body=None):
         r = self.s.post(self.base + path, json=body or {}, timeout=self.timeout)
+        if r.status_code == 422:          # a refusal: its problems by condition come as data
+            try:
+                err = r.json()
+            except ValueError:
+                err = None
+            if isinstance(err, dict) and err.get("problems"):
+                raise UpdateRejected(err.get("error", ""), err["problems"])
         if r.status_code >= 400:
             raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}")
         return r.json() if r.content else None

@@ -37,6 +37,7 @@ import os
 import tempfile
 import time
 
+from mxfp8_learner_grid.common.sync.rank_service import refused
 from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
@@ -125,7 +126,10 @@ class GridUpdateMiddleware:
         except HTTPError as e:
             await self._reply(send, e.status, {"error": str(e)})
         except Exception as e:            # the engine refused the update (validation, rollback, ...)
-            await self._reply(send, 422, {"error": f"{type(e).__name__}: {e}"})
+            body = {"error": f"{type(e).__name__}: {e}"}
+            if getattr(e, "problems", None):
+                body["problems"] = e.problems    # {condition: [problem, ...]}: data, not words to parse
+            await self._reply(send, 422, body)
 
     # -- a trainer that dies or stalls mid-update ------------------------------------------
     def _watch(self, client) -> None:
@@ -178,6 +182,8 @@ class GridUpdateMiddleware:
             except Exception as exc:
                 raise HTTPError(400, f"manifest is not JSON: {exc}") from None
         results = await client.collective_rpc(method, args=tuple(args))
+        if method == "grid_update_begin" and (exc := refused(results)) is not None:
+            raise exc                     # 422, its problems by condition in the body
         if method == "grid_update_commit" and results and all(r.get("applied") for r in results):
             _state["version"] = int(results[0]["version"])
         return results

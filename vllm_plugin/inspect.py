@@ -47,3 +47,10 @@ def stale_derived(model: torch.nn.Module) -> list[str]:
     reg = DerivedRegistry()
     register_kernel_derived(model, reg)
     return reg.stale()
+
+
+def derived_ptrs(model: torch.nn.Module) -> dict[str, int]:
+    """``owner.name`` -> data pointer of every derived tensor of the on-grid kernels: storage that
+    captured CUDA graphs read must never move."""
+    return {f"{n}.{d}": t.data_ptr() for n, m in model.named_modules() if getattr(m, "grid_kernel", None) is not None
+            for d, (t, _) in m.grid_kernel.derived(m).items()}

@@ -20,7 +20,8 @@ from .marlin import DEFAULT_PREFILL_CROSSOVER, check_bf16_exact_weights, dequant
 
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
-def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int) -> torch.Tensor:
+def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                 crossover: int) -> torch.Tensor:
     """The grid Linear (bf16, no bias): qdq(x), then W8A16 (M < crossover) or dequantize + cuBLAS."""
     from ..kernels.qdq_triton import qdq_rows
     from ..kernels.w8a16_triton import w8a16_gemm
@@ -29,7 +30,10 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
     a = qdq_rows(x2, torch.bfloat16)
-    y = dequant_cublas(a, weight, weight_scale_inv) if x2.shape[0] >= crossover else w8a16_gemm(a, weight, weight_scale_inv)
+    if x2.shape[0] >= crossover:
+        y = dequant_cublas(a, weight, weight_scale_inv)
+    else:
+        y = w8a16_gemm(a, weight, weight_scale_inv)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -1,10 +1,14 @@
-"""A weight-only MXFP8 GEMM for Hopper's middle band of M: y = x_grid @ dequant(W)^T, FP32 accumulation.
+"""A weight-only MXFP8 GEMM in Triton: y = x_grid @ dequant(W)^T, FP32 accumulation.
 
-Why it exists.  vLLM's MXFP8 Marlin is the dense kernel below 256 rows, but on the H200 it falls to
-0.58-0.68x BF16 at M = 64 on the Qwen3-8B projections (BENCHMARKS.md, ``bench_fast_path``): it is an
-Ampere-style ``mma.sync`` kernel.  This one is written for the middle band (decode batches of 17 to
-255 rows): Triton's ``tl.dot`` on sm_90 is a ``wgmma``, and the problem is swapped (``y^T = W x^T``)
-so that the weight rows fill the MMA's 64-row side and the few tokens its narrow side.
+Why it exists.  vLLM's MXFP8 Marlin falls to 0.58-0.68x BF16 at M = 64 on the Qwen3-8B projections
+on the H200 (an Ampere-style ``mma.sync`` kernel), and SGLang ships no MXFP8 GEMM at all.  This one
+uses Triton's ``tl.dot``, a ``wgmma`` on sm_90, with the problem swapped (``y^T = W x^T``) so that
+the weight rows fill the MMA's 64-row side and the few tokens its narrow side.  Measured on the
+H200 (BENCHMARKS.md, 2026-12-01): exact, but slower than Marlin at every M (0.52x BF16 at M = 64
+summed over the 8B projections, Marlin 0.75x) -- the per-element decode is the bottleneck.  So it
+is the dense kernel where no Marlin exists (SGLang: ``grid_kernels/w8a16.py``), 1.1-1.9x the
+previous Triton grid GEMM there, and an off-by-default band (``w8a16_rows``) of vLLM's Marlin
+kernel.
 
 Exactness.  ``x_grid`` is ``qdq_rows(x)`` (bf16 grid values).  Each weight tile is decoded exactly
 as ``dequant_triton`` decodes it (E4M3 code -> fp32, times 2^(e-127) with a ``mul.rn.f32`` that
@@ -20,6 +24,8 @@ bits on every call, and the partials are never reduced in bf16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +34,6 @@ from .. import format as F
 from . import interpreting
 from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32
 from .qdq_triton import _f32_bits_to_bf16_bits, _mul_f32_exact
-
 
 
 @triton.jit
@@ -124,6 +129,12 @@ def w8a16_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int,
     return bn, bm, split, 4, 3
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    index = index if index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def w8a16_gemm(x_grid: torch.Tensor, q: torch.Tensor, s: torch.Tensor, config=None,
                workspace: torch.Tensor | None = None) -> torch.Tensor:
     """``x_grid @ dequantize_blocks(q, s)^T`` in bf16 with FP32 accumulation.
@@ -146,8 +157,7 @@ def w8a16_gemm(x_grid: torch.Tensor, q: torch.Tensor, s: torch.Tensor, config=No
     if m == 0 or n == 0:
         return y
     if config is None:
-        sms = torch.cuda.get_device_properties(x_grid.device).multi_processor_count if x_grid.is_cuda else 132
-        config = w8a16_config(m, n, k, sms)
+        config = w8a16_config(m, n, k, _sm_count(x_grid.device.index) if x_grid.is_cuda else 132)
     bn, bm, split, warps, stages = config
     if k % (BLOCK_K * split):
         raise ValueError(f"w8a16_gemm: K={k} is not a multiple of 128 * SPLIT_K = {BLOCK_K * split}")

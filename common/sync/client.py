@@ -178,7 +178,8 @@ class GridSyncClient:
                                                      [f"after the commit: {type(exc).__name__}: {exc}"]))
                 else:
                     report.applied, report.rolled_back = False, backup_mode(self.backup) != ""
-                    report.checks += _classify_rejection(str(exc))
+                    report.checks += [CheckResult(cond, False, texts)       # a refusal's problems, as data
+                                      for cond, texts in (getattr(exc, "problems", None) or {}).items()]
                 report.checks.append(self._versions(self.version))
         finally:
             if paused:
@@ -245,18 +246,3 @@ class GridSyncClient:
         ok = diff <= self.probe_tolerance
         return CheckResult("probe", ok, [f"{self.probe_stat} |logprob diff| vs the learner's grid forward: {diff:.2e} "
                                          f"(tolerance {self.probe_tolerance})"], time.perf_counter() - t0)
-
-
-def _classify_rejection(msg: str) -> list[CheckResult]:
-    """Turn an engine's pre-write rejection into the named condition it protects."""
-    if "rejected before any write" not in msg:
-        return []
-    body = msg.split("rejected before any write:", 1)[1]
-    out = []
-    layout = [p.strip() for p in body.split(";") if any(k in p for k in ("expected uint8", "padding", "shape", "dtype"))]
-    complete = [p.strip() for p in body.split(";") if any(k in p for k in ("unknown", "missing", "misses", "twice"))]
-    if layout:
-        out.append(CheckResult("layout", False, layout))
-    if complete:
-        out.append(CheckResult("completeness", False, complete))
-    return out

@@ -95,64 +95,77 @@ def checkpoint_signature(hf_config, selection: ModuleSelection) -> dict[str, tup
 
 def validate(manifest: Manifest, signature: Mapping[str, tuple], plain_dtypes: Mapping[str, torch.dtype],
              extra_names: Iterable[str] = ()) -> list[str]:
-    """Problems with ``manifest`` against the engine's checkpoint signature ([] = fine).
+    """Problems with ``manifest`` against the engine's checkpoint signature ([] = fine)."""
+    return [text for texts in validate_by_condition(manifest, signature, plain_dtypes, extra_names).values()
+            for text in texts]
+
+
+def validate_by_condition(manifest: Manifest, signature: Mapping[str, tuple], plain_dtypes: Mapping[str, torch.dtype],
+                          extra_names: Iterable[str] = ()) -> dict[str, list[str]]:
+    """The same problems, each under the sync condition it would break: ``completeness`` (names:
+    unknown, missing, sent twice) or ``layout`` (dtype, shape, the scales' layout, the format).
 
     ``plain_dtypes``: the dtype the engine holds each high-precision tensor in.
     ``extra_names``: further names the engine accepts (e.g. per-layer KV scales).
     """
-    p: list[str] = []
+    out: dict[str, list[str]] = {}
+
+    def bad(condition: str, text: str) -> None:
+        out.setdefault(condition, []).append(text)
+
     if manifest.format not in FORMATS:
-        return [f"format must be one of {FORMATS}; got {manifest.format!r}"]
+        return {"layout": [f"format must be one of {FORMATS}; got {manifest.format!r}"]}
     names = [t.name for t in manifest.tensors]
     seen: set[str] = set()
     for n in names:
         if n in seen:
-            p.append(f"{n}: sent twice")
+            bad("completeness", f"{n}: sent twice")
         seen.add(n)
     extra = set(extra_names)
     for t in manifest.tensors:
         if t.dtype not in _DTYPES:
-            p.append(f"{t.name}: unsupported dtype {t.dtype}")
+            bad("layout", f"{t.name}: unsupported dtype {t.dtype}")
             continue
         dt = _DTYPES[t.dtype]
         if t.name.endswith(SCALE_SUFFIX):
             w = t.name[: -len(SCALE_SUFFIX)] + WEIGHT_SUFFIX
             if w not in signature or not signature[w][1]:
-                p.append(f"{t.name}: scales for a tensor that is not an on-grid weight")
+                bad("completeness", f"{t.name}: scales for a tensor that is not an on-grid weight")
                 continue
             if manifest.format != "mxfp8":
-                p.append(f"{t.name}: scales in a format='bf16' update (the engine quantizes bf16 weights itself)")
+                bad("layout", f"{t.name}: scales in a format='bf16' update (the engine quantizes bf16 weights itself)")
             shape, _ = signature[w]
             want = [*shape[:-1], shape[-1] // F.BLOCK_SIZE]
             if dt != F.SCALE_DTYPE or list(t.shape) != want:
                 hint = " (TE padding not stripped?)" if list(t.shape) != want and len(t.shape) == len(want) and \
                     all(a >= b for a, b in zip(t.shape, want)) else ""
-                p.append(f"{t.name}: expected uint8 {want}; got {t.dtype} {list(t.shape)}{hint}")
+                bad("layout", f"{t.name}: expected uint8 {want}; got {t.dtype} {list(t.shape)}{hint}")
             continue
         if t.name in extra:
             continue
         if t.name not in signature:
-            p.append(f"{t.name}: unknown tensor (not in this model's checkpoint)")
+            bad("completeness", f"{t.name}: unknown tensor (not in this model's checkpoint)")
             continue
         shape, on_grid = signature[t.name]
         if list(t.shape) != list(shape):
-            p.append(f"{t.name}: shape {list(t.shape)}; the model has {list(shape)}")
+            bad("layout", f"{t.name}: shape {list(t.shape)}; the model has {list(shape)}")
         if on_grid:
             want_dt = F.FP8_DTYPE if manifest.format == "mxfp8" else None
             if want_dt is not None and dt != want_dt:
-                p.append(f"{t.name}: on-grid weight in a format='mxfp8' update must be float8_e4m3fn; got {t.dtype}")
+                bad("layout", f"{t.name}: on-grid weight in a format='mxfp8' update must be float8_e4m3fn; got {t.dtype}")
             if want_dt is None and dt not in (torch.bfloat16, torch.float16, torch.float32):
-                p.append(f"{t.name}: on-grid weight in a format='bf16' update must be high precision; got {t.dtype}")
+                bad("layout", f"{t.name}: on-grid weight in a format='bf16' update must be high precision; got {t.dtype}")
             if manifest.format == "mxfp8":
                 sn = t.name[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX
                 if sn not in seen:
-                    p.append(f"{sn}: missing (every fp8 weight needs its scales)")
+                    bad("completeness", f"{sn}: missing (every fp8 weight needs its scales)")
         else:
             want = plain_dtypes.get(t.name)
             if want is not None and dt != want:
-                p.append(f"{t.name}: dtype {t.dtype}; the engine holds it as {want}")
+                bad("layout", f"{t.name}: dtype {t.dtype}; the engine holds it as {want}")
     if not manifest.partial:
         missing = [n for n in signature if n not in seen]
         if missing:
-            p.append(f"full update misses {len(missing)} tensors, e.g. {missing[:4]} (send partial=True to update a subset)")
-    return p
+            bad("completeness", f"full update misses {len(missing)} tensors, e.g. {missing[:4]} "
+                f"(send partial=True to update a subset)")
+    return out

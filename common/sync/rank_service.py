@@ -6,7 +6,9 @@ extension (``vllm_plugin/worker.py``), SGLang runs a custom weight loader on eve
 a call is the same, and lives here:
 
     begin(manifest_json, options_json)   validate, snapshot, start recording (an open update that
-                                         was never committed is rolled back first)
+                                         was never committed is rolled back first); a manifest
+                                         refused before any write is answered as data:
+                                         {"begun": false, "rejected": {condition: [problem]}}
     load(items)                          one bucket of (name, tensor) through the engine's loaders
     finish()                             the local checks + region fingerprints (report dict)
     commit("1" | "0")                    accept (bump the version) or roll back
@@ -27,6 +29,7 @@ from typing import Callable, Iterable, Optional
 
 from .digest import fingerprint
 from .manifest import Manifest
+from .recorder import UpdateRejected
 from .session import UpdateSession
 
 #: the options of ``begin`` and their defaults (the client sends them as JSON)
@@ -38,6 +41,21 @@ def session_options(options_json: str) -> dict:
     opts = {**SESSION_DEFAULTS, **json.loads(options_json or "{}")}
     return {"backup": opts["backup"], "digest": opts["digest"], "fraction": float(opts["fraction"]),
             "seed": int(opts["seed"]), "verify": bool(opts["verify"])}
+
+
+def refused(results: list) -> Optional[UpdateRejected]:
+    """The ranks' answers to ``begin`` -> one ``UpdateRejected`` carrying every rank's problems by
+    condition, or None when all began.  Transports raise it, so a caller sees one error type and
+    its ``problems`` as data, whatever carried the answers."""
+    bad = [r for r in results if isinstance(r, dict) and r.get("begun") is False]
+    if not bad:
+        return None
+    problems: dict = {}
+    for r in bad:
+        for cond, texts in (r.get("rejected") or {}).items():
+            seen = problems.setdefault(cond, [])
+            seen += [t for t in texts if t not in seen]          # ranks see the same manifest
+    return UpdateRejected(bad[0].get("error") or "update rejected before any write", problems)
 
 
 class RankService:
@@ -75,7 +93,11 @@ class RankService:
         if self.open:                        # a previous update never committed (client died or gave up)
             self.abort()
         ad.partial = manifest.partial
-        self.session = UpdateSession(ad, manifest, **kwargs)
+        try:
+            self.session = UpdateSession(ad, manifest, **kwargs)
+        except UpdateRejected as exc:        # nothing was written: the previous weights serve, whole
+            self.session = None
+            return {"rank": ad.rank, "begun": False, "rejected": exc.problems, "error": str(exc)}
         self.open = True
         self.on_open()
         return {"rank": ad.rank, "begun": True}

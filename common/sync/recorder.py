@@ -42,7 +42,16 @@ def backup_mode(b) -> str:
 
 
 class UpdateRejected(ValueError):
-    """An update that failed validation; the message names the tensor."""
+    """An update that failed validation; the message names the tensor.  ``problems``: the same
+    problems as data, under the sync condition each would break ({condition: [problem, ...]}),
+    so that a rejection crosses processes without its words being parsed."""
+
+    def __init__(self, message: str, problems: dict | None = None):
+        super().__init__(message)
+        self.problems = dict(problems or {})
+
+    def __reduce__(self):                   # across processes with its problems
+        return (type(self), (str(self), self.problems))
 
 
 _ACTIVE: list = []

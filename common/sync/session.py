@@ -29,7 +29,7 @@ import torch
 from ..refresh import deferred_refresh
 from .derived import DerivedRegistry
 from .digest import fingerprint
-from .manifest import Manifest, validate
+from .manifest import Manifest, validate_by_condition
 from .recorder import UpdateRejected, Write, WriteRecorder
 from .regions import coverage_problems, slice_box
 from .report import CheckResult, SyncReport
@@ -107,10 +107,11 @@ class UpdateSession:
         self.adapter, self.manifest = adapter, manifest
         self.backup, self.digest, self.fraction, self.seed = backup, digest, fraction, seed
         sig, plain_dtypes, extra = adapter.signature()
-        problems = validate(manifest, sig, plain_dtypes, extra)
-        if problems:
+        by_condition = validate_by_condition(manifest, sig, plain_dtypes, extra)
+        if by_condition:
+            problems = [text for texts in by_condition.values() for text in texts]
             raise UpdateRejected("update rejected before any write: " + "; ".join(problems[:12])
-                                 + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
+                                 + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""), by_condition)
         model = adapter.model()
         self.params = dict(model.named_parameters())
         self.ptrs = {n: p.data_ptr() for n, p in self.params.items()}

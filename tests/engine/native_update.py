@@ -33,12 +33,6 @@ def push_weight_transfer(llm, pairs, version):
     llm.finish_weight_update(weight_version=version)
 
 
-def derived_ptrs(model):
-    """owner.name -> data_ptr of every derived tensor of the on-grid kernels (storage must not move)."""
-    return {f"{n}.{d}": t.data_ptr() for n, m in model.named_modules() if getattr(m, "grid_kernel", None) is not None
-            for d, (t, _) in m.grid_kernel.derived(m).items()}
-
-
 def push(pairs):
     """The function a trainer ships to every worker: the engine's own loader, nothing of ours."""
     def fn(worker):
@@ -117,7 +111,7 @@ def main():
         def update(pairs, version):
             llm.collective_rpc(push(pairs))
 
-    ptrs = llm.apply_model(derived_ptrs)[0]
+    ptrs = llm.apply_model(inspect.derived_ptrs)[0]
     out = {"start_vs_A": maxdiff(engine_lp(), learner["A"](prompts)), "path": spec.get("path", "collective_rpc")}
     update(list(wb.items()), "B")
     lp = engine_lp()
@@ -133,7 +127,7 @@ def main():
     out["touched_unchanged"] = sorted(n for n in before if ".layers.0." in n and n.endswith("weight")
                                       and before[n] == after[n])
     out["kernels"] = sorted(set(llm.apply_model(inspect.grid_kernels)[0].values()))
-    now = llm.apply_model(derived_ptrs)[0]
+    now = llm.apply_model(inspect.derived_ptrs)[0]
     out["derived_moved"] = sorted(n for n in ptrs if now.get(n) != ptrs[n])      # captured graphs read these
     if transfer:
         out["weight_version"] = llm.get_weight_version()
