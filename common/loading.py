@@ -236,3 +236,44 @@ def accounting_problems(grid_layers, partial: bool = False) -> list[str]:
                     problems += [f"{prefix}.{q}[{s}, expert {x}]: never written"
                                  for s in shards for x in range(e) if w.get((q, (s, x)), 0) == 0]
     return problems
+
+
+# -- an on-grid Linear's parameters, for both engines ---------------------------------------------
+
+def dense_shard_key(*args, **kwargs):
+    """The shard a dense Linear's weight-loader call writes: the positional shard id (fused q/k/v or
+    gate/up index) or ``loaded_shard_id``; None for an unfused layer."""
+    if args:
+        return args[0]
+    return kwargs.get("loaded_shard_id")
+
+
+def expected_dense_shards(fused: str | None, n_parts: int) -> list:
+    """The shards a full checkpoint writes into a dense Linear: ``fused`` "qkv" (q, k, v), "merged"
+    (gate/up: 0 .. n_parts-1) or None (one unsharded write)."""
+    if fused == "qkv":
+        return ["q", "k", "v"]
+    if fused == "merged":
+        return list(range(n_parts))
+    return [None]
+
+
+def create_grid_linear(layer, prefix: str, output_partition_sizes, k: int, params_dtype, base_loader: Callable,
+                       weight_attrs: dict, set_weight_attrs: Callable, shard_info: Callable, fused: str | None) -> None:
+    """Register an on-grid Linear's fp8 ``weight`` [N, K] and uint8 ``weight_scale_inv`` [N, K/32] on
+    ``layer`` with the grid loaders, and the facts the later checks read.  The engine supplies its
+    facts: ``set_weight_attrs`` (its helper), ``shard_info(layer)`` (see ``wrap_weight_loader``; made
+    once the parameters exist) and ``fused`` (see ``expected_dense_shards``)."""
+    check_linear_partition(prefix, output_partition_sizes, k)
+    weight, scale = new_grid_params((sum(output_partition_sizes), k))
+    for p in (weight, scale):
+        set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **weight_attrs})
+    layer.register_parameter("weight", weight)
+    layer.register_parameter("weight_scale_inv", scale)
+    info = shard_info(layer)
+    weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader, dense_shard_key, info)
+    scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, dense_shard_key, info)
+    layer.grid_prefix = prefix
+    layer.grid_act_dtype = params_dtype
+    layer.grid_expected_shards = expected_dense_shards(fused, len(output_partition_sizes))
+    writes(layer).clear()

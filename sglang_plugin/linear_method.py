@@ -23,8 +23,8 @@ import torch
 
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_linear
-from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, new_grid_params,
-                                               wrap_scale_loader, wrap_weight_loader, writes)
+from mxfp8_learner_grid.common.loading import (check_complete, check_no_nan_scales, create_grid_linear,
+                                               expected_dense_shards)
 
 from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
 
@@ -33,18 +33,9 @@ from . import compat
 PARAMS = ("weight", "weight_scale_inv")
 
 
-def _expected_shards(layer, n_parts: int):
-    if isinstance(layer, compat.QKVParallelLinear):
-        return ["q", "k", "v"]
-    if isinstance(layer, compat.MergedColumnParallelLinear):
-        return list(range(n_parts))
-    return [None]
-
-
-def _dense_shard_key(*args, **kwargs):
-    if args:
-        return args[0]
-    return kwargs.get("loaded_shard_id")
+def _fused(layer) -> str | None:
+    return "qkv" if isinstance(layer, compat.QKVParallelLinear) else \
+        "merged" if isinstance(layer, compat.MergedColumnParallelLinear) else None
 
 
 def _checkpoint_rows(layer, shard):
@@ -62,7 +53,7 @@ def _checkpoint_rows(layer, shard):
 
 def shard_info_for(layer, prefix: str, checkpoint_names: list[str] | None):
     """(checkpoint tensor name, expected checkpoint shape [rows, K]) of a dense load."""
-    order = {s: i for i, s in enumerate(_expected_shards(layer, len(checkpoint_names or [])))}
+    order = {s: i for i, s in enumerate(expected_dense_shards(_fused(layer), len(checkpoint_names or [])))}
 
     def info(shard, param: str):
         i = order.get(shard)
@@ -88,22 +79,10 @@ class LearnerGridLinearMethod(compat.LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        check_linear_partition(self.prefix, output_partition_sizes, k)
-        base_loader = extra_weight_attrs.pop("weight_loader")
-        weight, scale = new_grid_params((n, k))
-        for p in (weight, scale):
-            compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
-        layer.register_parameter("weight", weight)
-        layer.register_parameter("weight_scale_inv", scale)
-        info = shard_info_for(layer, self.prefix, self.quant_config.checkpoint_shards(self.prefix))
-        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader,
-                                                  _dense_shard_key, info)
-        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key, info)
-        layer.grid_prefix = self.prefix
-        layer.grid_act_dtype = params_dtype
-        layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
-        writes(layer).clear()
+        shards = self.quant_config.checkpoint_shards(self.prefix)
+        create_grid_linear(layer, self.prefix, output_partition_sizes, input_size_per_partition, params_dtype,
+                           extra_weight_attrs.pop("weight_loader"), extra_weight_attrs, compat.set_weight_attrs,
+                           lambda lay: shard_info_for(lay, self.prefix, shards), _fused(layer))
 
     def process_weights_after_loading(self, layer) -> None:
         # First call (after the checkpoint): every shard of data and scales was written, and the

@@ -7,26 +7,16 @@ import torch
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_linear, register_kernel_derived
 from mxfp8_learner_grid.common.refresh import refresh_layer
-from mxfp8_learner_grid.common.loading import (check_complete, check_linear_partition, check_no_nan_scales, labels_only,
-                                               new_grid_params, wrap_scale_loader, wrap_weight_loader, writes)
+from mxfp8_learner_grid.common.loading import check_complete, check_no_nan_scales, create_grid_linear, labels_only
 
 from . import compat
 from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
 
 
-def _expected_shards(layer, n_parts: int):
+def _fused(layer) -> str | None:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-    if isinstance(layer, QKVParallelLinear):
-        return ["q", "k", "v"]
-    if isinstance(layer, MergedColumnParallelLinear):
-        return list(range(n_parts))
-    return [None]
-
-
-def _dense_shard_key(*args, **kwargs):
-    if args:
-        return args[0]
-    return kwargs.get("loaded_shard_id")
+    return "qkv" if isinstance(layer, QKVParallelLinear) else \
+        "merged" if isinstance(layer, MergedColumnParallelLinear) else None
 
 
 class GridLinearMethod(compat.LinearMethodBase):
@@ -38,23 +28,10 @@ class GridLinearMethod(compat.LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        check_linear_partition(self.prefix, output_partition_sizes, k)
-        base_loader = extra_weight_attrs.pop("weight_loader")
-        weight, scale = new_grid_params((n, k))
-        for p in (weight, scale):
-            compat.set_weight_attrs(p, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
-        layer.register_parameter("weight", weight)
-        layer.register_parameter("weight_scale_inv", scale)
-        weight.weight_loader = wrap_weight_loader(layer, "weight", "weight_scale_inv", base_loader,
-                                                  _dense_shard_key, labels_only(self.prefix))
-        scale.weight_loader = wrap_scale_loader(layer, "weight_scale_inv", base_loader, _dense_shard_key,
-                                                labels_only(self.prefix))
-        layer.grid_prefix = self.prefix
-        layer.grid_act_dtype = params_dtype
-        layer.grid_expected_shards = _expected_shards(layer, len(output_partition_sizes))
+        create_grid_linear(layer, self.prefix, output_partition_sizes, input_size_per_partition, params_dtype,
+                           extra_weight_attrs.pop("weight_loader"), extra_weight_attrs, compat.set_weight_attrs,
+                           lambda _layer: labels_only(self.prefix), _fused(layer))
         layer.grid_dummy_load = compat.load_format() == "dummy"
-        writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
         # Idempotent, and allocation-free after the first call.  The layer's kernel is chosen
