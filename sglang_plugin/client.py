@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
-from mxfp8_learner_grid.common.sync.rank_service import refused
+from mxfp8_learner_grid.common.sync.rank_service import checked
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
 from mxfp8_learner_grid.common.sync.transport import run_beside, staging_dir
 
@@ -107,10 +107,7 @@ class SGLangTransport:
                     extra, self._bucket = self._bucket, []
             if method == "grid_update_commit" and args and args[0] == "1" and self._version is not None:
                 version = str(self._version)
-            results = self._control(method, args, extra, version)
-            if method == "grid_update_begin" and (exc := refused(results)) is not None:
-                raise exc
-            return results
+            return checked(method, self._control(method, args, extra, version))
         finally:
             if own_session:
                 self._end()

@@ -25,7 +25,7 @@ import os
 from typing import Optional
 
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
-from mxfp8_learner_grid.common.sync.rank_service import refused
+from mxfp8_learner_grid.common.sync.rank_service import checked
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
 from mxfp8_learner_grid.common.sync.transport import (cuda_ipc_source, nccl_send, nccl_source, run_beside,
                                                       write_safetensors_bucket)
@@ -87,10 +87,7 @@ class LLMTransport(_Staging):
         self.llm = llm
 
     def rpc(self, method, *args):
-        results = self.llm.collective_rpc(method, args=tuple(args))
-        if method == "grid_update_begin" and (exc := refused(results)) is not None:
-            raise exc
-        return results
+        return checked(method, self.llm.collective_rpc(method, args=tuple(args)))
 
     def pause(self):            # an in-process LLM runs nothing while this thread updates it
         pass

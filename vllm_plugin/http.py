@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 
-from mxfp8_learner_grid.common.sync.rank_service import refused
+from mxfp8_learner_grid.common.sync.rank_service import checked
 from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
@@ -181,9 +181,8 @@ class GridUpdateMiddleware:
                 json.loads(args[0])
             except Exception as exc:
                 raise HTTPError(400, f"manifest is not JSON: {exc}") from None
-        results = await client.collective_rpc(method, args=tuple(args))
-        if method == "grid_update_begin" and (exc := refused(results)) is not None:
-            raise exc                     # 422, its problems by condition in the body
+        # a begin that a rank refused raises here: 422, its problems by condition in the body
+        results = checked(method, await client.collective_rpc(method, args=tuple(args)))
         if method == "grid_update_commit" and results and all(r.get("applied") for r in results):
             _state["version"] = int(results[0]["version"])
         return results

@@ -96,8 +96,12 @@ def checkpoint_signature(hf_config, selection: ModuleSelection) -> dict[str, tup
 def validate(manifest: Manifest, signature: Mapping[str, tuple], plain_dtypes: Mapping[str, torch.dtype],
              extra_names: Iterable[str] = ()) -> list[str]:
     """Problems with ``manifest`` against the engine's checkpoint signature ([] = fine)."""
-    return [text for texts in validate_by_condition(manifest, signature, plain_dtypes, extra_names).values()
-            for text in texts]
+    return flatten(validate_by_condition(manifest, signature, plain_dtypes, extra_names))
+
+
+def flatten(by_condition: Mapping[str, list[str]]) -> list[str]:
+    """Every problem of a ``validate_by_condition`` answer, in one list."""
+    return [text for texts in by_condition.values() for text in texts]
 
 
 def validate_by_condition(manifest: Manifest, signature: Mapping[str, tuple], plain_dtypes: Mapping[str, torch.dtype],

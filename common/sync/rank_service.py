@@ -43,19 +43,20 @@ def session_options(options_json: str) -> dict:
             "seed": int(opts["seed"]), "verify": bool(opts["verify"])}
 
 
-def refused(results: list) -> Optional[UpdateRejected]:
-    """The ranks' answers to ``begin`` -> one ``UpdateRejected`` carrying every rank's problems by
-    condition, or None when all began.  Transports raise it, so a caller sees one error type and
-    its ``problems`` as data, whatever carried the answers."""
-    bad = [r for r in results if isinstance(r, dict) and r.get("begun") is False]
+def checked(method: str, results: list) -> list:
+    """A transport's results of ``method`` on every rank, as they are -- unless it was a ``begin``
+    that a rank refused: then one ``UpdateRejected`` carrying every rank's problems by condition is
+    raised, so a caller sees one error type and its ``problems`` as data, whatever carried them."""
+    bad = [r for r in results if isinstance(r, dict) and r.get("begun") is False] \
+        if method == "grid_update_begin" else []
     if not bad:
-        return None
+        return results
     problems: dict = {}
     for r in bad:
         for cond, texts in (r.get("rejected") or {}).items():
             seen = problems.setdefault(cond, [])
             seen += [t for t in texts if t not in seen]          # ranks see the same manifest
-    return UpdateRejected(bad[0].get("error") or "update rejected before any write", problems)
+    raise UpdateRejected(bad[0].get("error") or "update rejected before any write", problems)
 
 
 class RankService:

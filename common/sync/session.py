@@ -29,7 +29,7 @@ import torch
 from ..refresh import deferred_refresh
 from .derived import DerivedRegistry
 from .digest import fingerprint
-from .manifest import Manifest, validate_by_condition
+from .manifest import Manifest, flatten, validate_by_condition
 from .recorder import UpdateRejected, Write, WriteRecorder
 from .regions import coverage_problems, slice_box
 from .report import CheckResult, SyncReport
@@ -109,7 +109,7 @@ class UpdateSession:
         sig, plain_dtypes, extra = adapter.signature()
         by_condition = validate_by_condition(manifest, sig, plain_dtypes, extra)
         if by_condition:
-            problems = [text for texts in by_condition.values() for text in texts]
+            problems = flatten(by_condition)
             raise UpdateRejected("update rejected before any write: " + "; ".join(problems[:12])
                                  + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""), by_condition)
         model = adapter.model()
