@@ -1,6 +1,7 @@
 """End to end on one GPU in SGLang: output tokens/s with the grid against BF16 (issue #12).
 
-    python benchmarks/bench_e2e_sglang.py --shape qwen3-8b --arms bf16,grid --conc 1,16,64 --out e2e-sglang.jsonl
+    python benchmarks/bench_e2e_sglang.py --shape qwen3-8b --arms bf16,grid,grid+,fp8 --conc 1,16,64 \
+        --out e2e-sglang.jsonl [--grid-options '{"bf16_weight_rows": 40}'] [--reps 2]
 
 The protocol of ``bench_e2e.py`` (vLLM): each arm in its own process, ``load_format="dummy"``
 weights of the real layer shapes (the plugin fills valid random grid weights), 512 prompt tokens
@@ -9,8 +10,10 @@ offline ``Engine`` with its defaults (FlashAttention 3, decode CUDA graphs up to
 concurrency), except that the prefill CUDA graph is off for both arms (its capture takes minutes
 on the H200 and does not touch the decode-bound numbers measured here).  ``grid`` is
 ``quantization="mxfp8-learner-grid"``; with vLLM absent the grid layers run the project's own
-Triton kernels (``common.grid_kernels``: the choice is printed).  One JSON line per (arm,
-concurrency): date, shape, arm, conc, out_tok_s, load_s, engine, commit.
+Triton kernels (``common.grid_kernels``: the choice is printed).  ``grid+`` is the same with the
+options of ``--grid-options`` (``json_model_override_args`` -> ``quantization_config``).  Each
+concurrency: a warm-up with the whole batch, then ``--reps`` timed runs (the median is recorded).
+One JSON line per (arm, concurrency): date, shape, arm, conc, out_tok_s, load_s, engine, commit.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_e2e import make_model_dir, run_arms  # noqa: E402
 
 
-def worker(shape, arm, concs):
+def worker(shape, arm, concs, grid_options, reps=1):
     import sglang as sgl
     kw = dict(model_path=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               context_length=1024, mem_fraction_static=0.8, max_running_requests=max(concs),
               disable_prefill_cuda_graph=True, cuda_graph_max_bs_decode=max(concs), random_seed=0, log_level="warning")
-    if arm == "grid":
+    if arm in ("grid", "grid+"):
         kw["quantization"] = "mxfp8-learner-grid"
+        if arm == "grid+" and grid_options:
+            kw["json_model_override_args"] = json.dumps(
+                {"quantization_config": dict(grid_options, quant_method="mxfp8-learner-grid")})
     elif arm != "bf16":
         kw["quantization"] = arm
     t0 = time.time()
@@ -42,13 +48,17 @@ def worker(shape, arm, concs):
     random.seed(0)
     for c in concs:
         ids = [[random.randrange(1000, 100000) for _ in range(512)] for _ in range(c)]
-        eng.generate(input_ids=ids[:1], sampling_params=dict(sp, max_new_tokens=8))
-        t = time.time()
-        outs = eng.generate(input_ids=ids, sampling_params=sp)
-        dt = time.time() - t
-        n = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
-        print("ROW " + json.dumps({"conc": c, "out_tok_s": round(n / dt, 1), "secs": round(dt, 2),
-                                   "load_s": round(load_s, 1)}), flush=True)
+        eng.generate(input_ids=ids, sampling_params=dict(sp, max_new_tokens=8))    # warm-up, whole batch
+        rates, secs = [], []
+        for _ in range(reps):
+            t = time.time()
+            outs = eng.generate(input_ids=ids, sampling_params=sp)
+            dt = time.time() - t
+            n = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+            rates.append(round(n / dt, 1))
+            secs.append(round(dt, 2))
+        print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
+                                   "secs": secs, "load_s": round(load_s, 1)}), flush=True)
     try:
         eng.shutdown()
     except Exception:
@@ -65,13 +75,17 @@ def main():
     ap.add_argument("--out", default="e2e-sglang.jsonl")
     ap.add_argument("--arm-timeout", type=int, default=420)
     ap.add_argument("--worker", default="")
+    ap.add_argument("--grid-options", default="")
+    ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
+    opts = json.loads(args.grid_options) if args.grid_options else {}
     if args.worker:
-        return worker(args.shape, args.worker, concs)
+        return worker(args.shape, args.worker, concs, opts, args.reps)
     import sglang
     run_arms(__file__, args.arms.split(","), args.shape, args.conc, args.arm_timeout, args.out,
-             f"sglang {sglang.__version__}")
+             f"sglang {sglang.__version__}", extra=["--grid-options", args.grid_options, "--reps", str(args.reps)],
+             grid_options=opts)
 
 
 if __name__ == "__main__":

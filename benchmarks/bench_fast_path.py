@@ -10,6 +10,7 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_marlin   ours: qdq(x) + Marlin            grid_cublas  ours: qdq(x) + dequantize W + cuBLAS
   grid_triton   the previous grid path (quantize + Triton grid GEMM)
   grid_w8a16    ours: qdq(x) + the swapped W8A16 Triton GEMM (kernels/w8a16_triton, its default config)
+  grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
 
 ``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
 stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
@@ -53,7 +54,7 @@ def commit():
         return "?"
 
 
-def make_layer(n, k, seed, crossover, band=None):
+def make_layer(n, k, seed, crossover, band=None, copy_rows=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     wq, ws = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     layer = torch.nn.Module()
@@ -61,7 +62,8 @@ def make_layer(n, k, seed, crossover, band=None):
     layer.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
     spec = LayerSpec(prefix="b", kind="linear", device_type="cuda", act_dtype=torch.bfloat16, n=n, k=k,
                      capability=torch.cuda.get_device_capability(), options={"prefill_crossover": crossover,
-                                                                   "w8a16_rows": band or []})
+                                                                   "w8a16_rows": band or [],
+                                                                   "bf16_weight_rows": copy_rows})
     layer.grid_kernel = choose(spec)
     layer.grid_kernel.process_weights_after_loading(layer)
     return layer
@@ -106,6 +108,7 @@ def main():
         lay_m = [make_layer(n, k, i, 1 << 30) for i in range(copies)]        # always Marlin
         lay_c = [make_layer(n, k, 100 + i, 1) for i in range(copies)]        # always dequant + cuBLAS
         lay_w = [make_layer(n, k, 200 + i, 1 << 30, [1, 1 << 30]) for i in range(copies)]   # always W8A16
+        lay_b = [make_layer(n, k, 300 + i, 1 << 30, copy_rows=1) for i in range(copies)]    # always the bf16 copy
         wb = [dequantize_blocks(l.weight, l.weight_scale_inv).to(torch.bfloat16) for l in lay_m]
         w8 = [l.weight for l in lay_m]
         wcol = [torch.full((1, n), 2.0 ** -7, device="cuda") for _ in lay_m]
@@ -114,7 +117,8 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             # exactness gate for the grid arms
             failed = set()
-            for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w)):
+            for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w),
+                               ("grid_bf16copy", lay_b)):
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
                        @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
@@ -143,6 +147,7 @@ def main():
                 "grid_triton": [lambda l=l: grid_gemm(*quantize_rows(x, backend="triton"), l.weight,
                                                       l.weight_scale_inv, None, torch.bfloat16) for l in lay_m],
                 "grid_w8a16": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_w],
+                "grid_bf16copy": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_b],
             }
             if args.arms:
                 keep = set(args.arms.split(",")) | {"bf16"}
@@ -175,13 +180,14 @@ def main():
                       f"(default {us.get('grid_w8a16') or 0:.1f}, marlin {us.get('grid_marlin') or 0:.1f})", flush=True)
             best[m] = us
             times = " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
-            ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16")
+            ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16",
+                                                                         "grid_bf16copy")
                               if us.get(a))
             print(f"{sname:11s} M={m:5d} {times}  | {ratios}", flush=True)
         cross = [m for m, u in best.items()
                  if u.get("grid_cublas") and u.get("grid_marlin") and u["grid_cublas"] < u["grid_marlin"]]
         print(f"{sname}: dequant+cuBLAS faster than Marlin from M = {min(cross) if cross else 'never'}", flush=True)
-        del lay_m, lay_c, lay_w, wb
+        del lay_m, lay_c, lay_w, lay_b, wb
         torch.cuda.empty_cache()
     ms = sorted({m for m, _ in total})
     wins = [m for m in ms if total.get((m, "grid_w8a16"), 1e30) < total.get((m, "grid_marlin"), 0.0)]
@@ -200,6 +206,7 @@ def main():
         band = [r[0], r[-1] + 1]
     print("summed over shapes, us: " + "; ".join(
         f"M={m}: marlin {total.get((m, 'grid_marlin'), 0):.1f} w8a16 {total.get((m, 'grid_w8a16'), 0):.1f} "
+        f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} "
         f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
     print(f"W8A16_BAND {json.dumps(band)}", flush=True)
     if args.band_out:

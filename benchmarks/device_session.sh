@@ -12,6 +12,8 @@
 #   bash benchmarks/device_session.sh w8a16          # fast-path GPU tests + kernel benchmark with the W8A16 sweep;
 #        writes $OUT/band.json (the rows where W8A16 beats Marlin) for `e2e ... grid+ ... $OUT/band.json`
 #   bash benchmarks/device_session.sh fasttests       # tests/gpu/test_fast_path.py only
+#   bash benchmarks/device_session.sh bf16copy        # fast-path GPU tests + kernel benchmark: Marlin vs the resident
+#        bf16 copy (option bf16_weight_rows) vs dequantize + cuBLAS, 8B projections, M 1 ... 256
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
 #   bash benchmarks/device_session.sh native          # a trainer's plain load_weights on the GPU (Marlin bf16 + Triton fp32, graphs on)
 # Results go to $OUT.  Name the commit for the JSONL records: GRID_COMMIT=$(git rev-parse --short HEAD), set here
@@ -66,6 +68,12 @@ case "${1:-kernels}" in
       VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=tests/gpu:$PYTHONPATH timeout 280 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
         --out "$OUT/layers-$s.json" 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
     done
+    ;;
+  bf16copy)   # option bf16_weight_rows: exactness (with every fast-path test), then where the copy beats Marlin
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -8
+    python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" --shapes "${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down}" \
+      --ms "${MS:-1,16,32,40,48,64,96,128,256}" --arms bf16,grid_marlin,grid_cublas,grid_bf16copy 2>&1 \
+      | tee "$OUT/bench_fast_path.log" | grep -E "M=|summed|Error|NOT TIMED" | tail -50
     ;;
   fasttests)   # the fast path's GPU tests only (exactness, graphs, MoE glue vs the torch glue)
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -25

@@ -2,7 +2,7 @@
 # What one H200 lease runs for SGLang (issue #12), after staging sglang==0.5.17 (stage.py --engine sglang==0.5.17).
 #   bash benchmarks/sglang_session.sh serve MODELS_DIR   # tiny dense + MoE served with the plugin, logprobs vs the learner
 #   bash benchmarks/sglang_session.sh layers             # per-layer exactness inside SGLang's model runner (8B / 30B shapes, 2 layers)
-#   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC]   # tokens/s, grid vs bf16
+#   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC] [GRID_OPTIONS]   # tokens/s, grid vs bf16 (REPS=2)
 # Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,6 +32,7 @@ case "${1:-serve}" in
     ;;
   e2e)
     python3 benchmarks/bench_e2e_sglang.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
+      --grid-options "${5:-}" --reps "${REPS:-2}" \
       --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-sglang-h200.jsonl" 2>&1 | grep -v " INFO \|^\s*$" | tail -30
     ;;
 esac

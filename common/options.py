@@ -9,6 +9,8 @@ Keys (all optional)::
     kernel: auto | marlin | w8a16 | triton | torch              # force one kernel (common.grid_kernels)
     prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
     w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
+    bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
+                                                                # (2 bytes/weight more GPU memory; off: 0)
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
     wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
@@ -25,7 +27,7 @@ from .wire import QUANT_METHOD
 
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
-                        "kernel", "prefill_crossover", "w8a16_rows", "cpu_weight_cache"})
+                        "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache"})
 KV_CACHE_SCALES = ("optional", "required")
 
 
@@ -51,6 +53,9 @@ class GridOptions:
                 len(band) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in band)
                 and band[0] <= band[1]))):
             raise ValueError(f"w8a16_rows must be [] or [lo, hi] with 0 <= lo <= hi (rows); got {band!r}")
+        rows = self.raw.get("bf16_weight_rows", 0)
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.emulate is not None:

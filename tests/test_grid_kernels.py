@@ -241,3 +241,70 @@ def test_w8a16_band_option():
     for bad in ([256, 17], [1], "17-256", [True, 4], [-1, 4]):
         with pytest.raises(ValueError, match="w8a16_rows"):
             GridOptions.from_dict({"w8a16_rows": bad})
+
+
+BF16_COPY = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common.grid_kernels import LayerSpec
+    from mxfp8_learner_grid.common.grid_kernels.w8a16 import W8A16Linear
+    from mxfp8_learner_grid.common.refresh import refresh_layer
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 256
+
+    def layer_of(seed):
+        wq, ws = quantize_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
+        lay = torch.nn.Module()
+        lay.weight = torch.nn.Parameter(wq, requires_grad=False)
+        lay.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
+        return lay
+
+    lay = layer_of(1)
+    spec = LayerSpec(prefix="t", kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=n, k=k,
+                     options={"bf16_weight_rows": 8})
+    kern = W8A16Linear(spec)          # the interpreter stands in for the GPU: construct, not choose
+    lay.grid_kernel = kern
+    kern.process_weights_after_loading(lay)
+    lay.grid_processed = True
+    assert kern.derived_names(lay) == ("grid_bf16_weight",) and "bf16 copy" in kern.describe()
+    copy = lay.grid_bf16_weight
+    ref_w = dequantize_blocks(lay.weight, lay.weight_scale_inv).to(torch.bfloat16)
+    assert torch.equal(copy.view(torch.int16), ref_w.view(torch.int16))        # the grid values, exactly
+    for m in (3, 8, 20):              # 3: the W8A16 GEMM; 8 and 20: cuBLAS' stand-in on the copy
+        x = torch.randn(m, k, generator=g, dtype=torch.bfloat16)
+        a = dequantize_blocks(*quantize_rows(x))
+        exact = a.double() @ ref_w.double().t()
+        y = kern.apply(lay, x)
+        same = (y.view(torch.int16) == exact.float().to(torch.bfloat16).view(torch.int16)).float().mean()
+        assert same >= 0.99, (m, float(same))
+    # an in-place update rewrites the copy in place; a stale copy is what derived_state rebuilds and compares
+    new = layer_of(2)
+    ptr = copy.data_ptr()
+    lay.weight.data.copy_(new.weight)
+    lay.weight_scale_inv.data.copy_(new.weight_scale_inv)
+    refresh_layer(lay)
+    assert lay.grid_bf16_weight.data_ptr() == ptr
+    live, build = kern.derived(lay)["grid_bf16_weight"]
+    assert torch.equal(live, build()) and not torch.equal(live, ref_w)
+    live.view(torch.int16)[0, 0] ^= 1
+    assert not torch.equal(live, build())
+    off = W8A16Linear(LayerSpec(prefix="t", kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=n, k=k))
+    assert off.derived_names(lay) == () and off.derived(lay) == {}
+    print("OK")
+""")
+
+
+def test_bf16_weight_copy_option_under_the_interpreter():
+    """bf16_weight_rows: the resident copy is W's grid values bit for bit, used from the given rows on,
+    rewritten in place by an update and visible to the derived_state check."""
+    pytest.importorskip("triton")
+    run_ok(BF16_COPY)
+
+
+def test_bf16_weight_rows_option():
+    from mxfp8_learner_grid.common.options import GridOptions
+    assert GridOptions.from_dict({"bf16_weight_rows": 48}).raw["bf16_weight_rows"] == 48
+    GridOptions.from_dict({"bf16_weight_rows": 0})
+    for bad in (-1, True, "48", 4.5):
+        with pytest.raises(ValueError, match="bf16_weight_rows"):
+            GridOptions.from_dict({"bf16_weight_rows": bad})

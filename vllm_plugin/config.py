@@ -20,6 +20,8 @@ Options (all optional)::
     kernel: auto                   # or marlin | w8a16 | triton | torch: force one grid kernel (common/grid_kernels)
     prefill_crossover: 256         # rows from which dense layers switch Marlin -> W decode + cuBLAS
     w8a16_rows: [17, 256]          # rows [lo, hi) for which dense layers use the W8A16 Triton GEMM ([]: off)
+    bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
+                                   # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or

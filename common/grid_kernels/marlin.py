@@ -17,12 +17,17 @@ Three GEMMs, chosen per call by the number of rows M (options ``w8a16_rows`` and
   layer's own fp8 codes and scales (no derived tensor);
 * M >= crossover: W decoded once per call into a bf16 scratch tensor
   (``kernels/dequant_triton``, 3 bytes of traffic per weight) and cuBLAS, with
-  ``allow_bf16_reduced_precision_reduction`` off so that split-K partials are reduced in FP32.
+  ``allow_bf16_reduced_precision_reduction`` off so that split-K partials are reduced in FP32;
+* M >= ``bf16_weight_rows`` (off by default): cuBLAS on a resident bf16 copy of W's grid values
+  (:class:`Bf16WeightCopy`; 2 more bytes of GPU memory per weight, no decode per call) -- a
+  memory-for-speed option for the middle band of M, where the weight-only kernels decode every
+  weight element in every CTA and fall behind BF16.
 
 Derived tensors (allocated once, rewritten in place on every update, registered for the
 ``derived_state`` check): ``grid_marlin_weight`` (int32, Marlin's tiled layout) and
-``grid_marlin_scale`` (E8M0 bytes, Marlin's permuted layout).  The permutation is pure byte
-movement (no dtype round trip): :func:`marlin_scales`.
+``grid_marlin_scale`` (E8M0 bytes, Marlin's permuted layout); with ``bf16_weight_rows``, also
+``grid_bf16_weight``.  The permutation is pure byte movement (no dtype round trip):
+:func:`marlin_scales`.
 """
 
 from __future__ import annotations
@@ -66,25 +71,76 @@ def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
     return ops.repack(q, k, n)
 
 
-def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x_grid (bf16 grid values) @ W^T with W decoded to a bf16 scratch, cuBLAS, FP32 reduction."""
-    from ..kernels.dequant_triton import dequant_rows_bf16
-    wb = dequant_rows_bf16(weight, weight_scale_inv)
+def cublas_fp32_reduction(x_grid: torch.Tensor, w_grid: torch.Tensor) -> torch.Tensor:
+    """x_grid @ w_grid^T (both bf16 grid values) by cuBLAS with split-K partials reduced in FP32
+    (``allow_bf16_reduced_precision_reduction`` off for this call only)."""
     m = torch.backends.cuda.matmul
     prev = m.allow_bf16_reduced_precision_reduction
     m.allow_bf16_reduced_precision_reduction = False
     try:
-        return torch.mm(x_grid, wb.t())
+        return torch.mm(x_grid, w_grid.t())
     finally:
         m.allow_bf16_reduced_precision_reduction = prev
+
+
+def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x_grid (bf16 grid values) @ W^T with W decoded to a bf16 scratch, cuBLAS, FP32 reduction."""
+    from ..kernels.dequant_triton import dequant_rows_bf16
+    return cublas_fp32_reduction(x_grid, dequant_rows_bf16(weight, weight_scale_inv))
+
+
+class Bf16WeightCopy:
+    """Option ``bf16_weight_rows: R`` of the dense kernels: from R rows on, cuBLAS multiplies a
+    resident bf16 copy of W's grid values (``grid_bf16_weight`` [N, K], exact: an E4M3 code times
+    a power of two), instead of Marlin / W8A16 below the crossover and of a per-call decode above
+    it.  A derived tensor like the others: allocated once, rewritten in place by every update,
+    rebuilt and compared by the ``derived_state`` check.  Off (R = 0) by default: it costs 2 bytes
+    of GPU memory per weight (the model's BF16 size again), which vLLM then takes from the KV cache."""
+
+    NAME = "grid_bf16_weight"
+
+    def __init__(self, spec: LayerSpec):
+        self.rows = int(spec.options.get("bf16_weight_rows", 0) or 0)
+
+    def names(self) -> tuple[str, ...]:
+        return (self.NAME,) if self.rows else ()
+
+    @staticmethod
+    def build(layer, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from ..kernels.dequant_triton import dequant_rows_bf16
+        return dequant_rows_bf16(layer.weight, layer.weight_scale_inv, out=out)
+
+    def process(self, kernel: GridKernel, layer) -> None:
+        if not self.rows:
+            return
+        if not hasattr(layer, self.NAME):
+            kernel.register_derived_buffer(layer, self.NAME, self.build(layer))
+        else:
+            self.refresh(layer)
+
+    def refresh(self, layer) -> None:
+        if self.rows:
+            with torch.no_grad():
+                self.build(layer, out=getattr(layer, self.NAME))
+
+    def derived(self, layer) -> dict:
+        return {self.NAME: (getattr(layer, self.NAME), lambda: self.build(layer))} if self.rows else {}
+
+    def tensor(self, layer) -> Optional[torch.Tensor]:
+        return getattr(layer, self.NAME) if self.rows else None
+
+    def describe(self) -> str:
+        return f"; cuBLAS on a resident bf16 copy of W (M >= {self.rows})" if self.rows else ""
 
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_marlin", mutates_args=())
 def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
                   weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int,
-                  w8a16_lo: int = 0, w8a16_hi: int = 0) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): qdq(x), then Marlin (M < crossover), the W8A16 Triton GEMM
-    (w8a16_lo <= M < w8a16_hi) or dequantize + cuBLAS (M >= crossover)."""
+                  w8a16_lo: int = 0, w8a16_hi: int = 0, w_bf16: Optional[torch.Tensor] = None,
+                  bf16_rows: int = 0) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): qdq(x), then cuBLAS on the resident bf16 copy ``w_bf16``
+    (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover), the W8A16 Triton GEMM
+    (w8a16_lo <= M < w8a16_hi) or Marlin."""
     from ..kernels.qdq_triton import qdq_rows
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -92,7 +148,9 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
     a = qdq_rows(x2, torch.bfloat16)
-    if m >= crossover:
+    if w_bf16 is not None and m >= bf16_rows:
+        y = cublas_fp32_reduction(a, w_bf16)
+    elif m >= crossover:
         y = dequant_cublas(a, weight, weight_scale_inv)
     elif w8a16_lo <= m < w8a16_hi:
         from ..kernels.w8a16_triton import w8a16_gemm
@@ -103,7 +161,8 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
 
 
 @linear_marlin.register_fake
-def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0):
+def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0, w_bf16=None,
+      bf16_rows=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -139,9 +198,10 @@ class MarlinLinear(GridKernel):
         lo, hi = spec.options.get("w8a16_rows") or (0, 0)
         from ..kernels.w8a16_triton import w8a16_shape_ok
         self.w8a16 = (int(lo), int(hi)) if w8a16_shape_ok(spec.k) else (0, 0)
+        self.bf16_copy = Bf16WeightCopy(spec)
 
     def derived_names(self, layer):
-        return ("grid_marlin_weight", "grid_marlin_scale")
+        return ("grid_marlin_weight", "grid_marlin_scale") + self.bf16_copy.names()
 
     def process_weights_after_loading(self, layer) -> None:
         ops = providers.get("marlin")
@@ -150,6 +210,7 @@ class MarlinLinear(GridKernel):
             self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
             self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device))
+            self.bf16_copy.process(self, layer)
         else:
             self.refresh(layer)
 
@@ -158,21 +219,25 @@ class MarlinLinear(GridKernel):
         with torch.no_grad():
             layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
             layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
+        self.bf16_copy.refresh(layer)
 
     def derived(self, layer):
         ops = providers.get("marlin")
         return {"grid_marlin_weight": (layer.grid_marlin_weight, lambda: marlin_weight(ops, layer.weight)),
-                "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv))}
+                "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv)),
+                **self.bf16_copy.derived(layer)}
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear_marlin(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
                                                            layer.grid_marlin_workspace, layer.weight,
-                                                           layer.weight_scale_inv, self.crossover, *self.w8a16)
+                                                           layer.weight_scale_inv, self.crossover, *self.w8a16,
+                                                           self.bf16_copy.tensor(layer), self.bf16_copy.rows)
 
     def describe(self):
         lo, hi = self.w8a16
         band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
-        return f"marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
+        return (f"marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
+                f"{self.bf16_copy.describe()}")
 
 
 def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:

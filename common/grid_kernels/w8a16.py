@@ -3,7 +3,8 @@ project's swapped W8A16 Triton GEMM (``kernels/w8a16_triton``) below ``prefill_c
 W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``).
 
 It reads the layer's own fp8 codes and E8M0 scales, so a weight update needs no repack and the
-``derived_state`` check has nothing to rebuild for it.  It is the fast path where the engine ships no
+``derived_state`` check has nothing to rebuild for it -- unless the option ``bf16_weight_rows``
+asks for a resident bf16 copy of W (``marlin.Bf16WeightCopy``).  It is the fast path where the engine ships no
 MXFP8 Marlin (SGLang), and the W8A16 band of the Marlin kernel (option ``w8a16_rows``) in vLLM.
 Exactness: see ``kernels/w8a16_triton`` (both MMA operands are the exact grid values in bf16, FP32
 accumulation, deterministic split-K, one rounding).
@@ -16,13 +17,15 @@ from typing import Optional
 import torch
 
 from .base import GridKernel, bf16_output_no_bias
-from .marlin import DEFAULT_PREFILL_CROSSOVER, check_bf16_exact_weights, dequant_cublas
+from .marlin import DEFAULT_PREFILL_CROSSOVER, Bf16WeightCopy, check_bf16_exact_weights, cublas_fp32_reduction, \
+    dequant_cublas
 
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
 def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                 crossover: int) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): qdq(x), then W8A16 (M < crossover) or dequantize + cuBLAS."""
+                 crossover: int, w_bf16: Optional[torch.Tensor] = None, bf16_rows: int = 0) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): qdq(x), then cuBLAS on the resident bf16 copy ``w_bf16``
+    (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover) or W8A16."""
     from ..kernels.qdq_triton import qdq_rows
     from ..kernels.w8a16_triton import w8a16_gemm
     n, k = weight.shape
@@ -30,7 +33,9 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
     a = qdq_rows(x2, torch.bfloat16)
-    if x2.shape[0] >= crossover:
+    if w_bf16 is not None and x2.shape[0] >= bf16_rows:
+        y = cublas_fp32_reduction(a, w_bf16)
+    elif x2.shape[0] >= crossover:
         y = dequant_cublas(a, weight, weight_scale_inv)
     else:
         y = w8a16_gemm(a, weight, weight_scale_inv)
@@ -38,7 +43,7 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
 
 
 @linear_w8a16.register_fake
-def _(x, weight, weight_scale_inv, crossover):
+def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -64,12 +69,25 @@ class W8A16Linear(GridKernel):
     def __init__(self, spec):
         super().__init__(spec)
         self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
+        self.bf16_copy = Bf16WeightCopy(spec)
+
+    def derived_names(self, layer):
+        return self.bf16_copy.names()
 
     def process_weights_after_loading(self, layer) -> None:
         check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
+        self.bf16_copy.process(self, layer)
+
+    def refresh(self, layer, experts=None) -> None:
+        self.bf16_copy.refresh(layer)
+
+    def derived(self, layer):
+        return self.bf16_copy.derived(layer)
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
-        return torch.ops.mxfp8_learner_grid.linear_w8a16(x, layer.weight, layer.weight_scale_inv, self.crossover)
+        return torch.ops.mxfp8_learner_grid.linear_w8a16(x, layer.weight, layer.weight_scale_inv, self.crossover,
+                                                          self.bf16_copy.tensor(layer), self.bf16_copy.rows)
 
     def describe(self):
-        return f"w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
+        return (f"w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
+                f"{self.bf16_copy.describe()}")

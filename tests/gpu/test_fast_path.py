@@ -166,14 +166,36 @@ def test_w8a16_kernel_exact(m):
     check_fp32_accumulation(y, x_grid(x), dequantize_blocks(layer.weight, layer.weight_scale_inv))
 
 
-@pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND})])
+@pytest.mark.parametrize("kernel", ["marlin", "w8a16"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096), (2048, 4096)])
+@pytest.mark.parametrize("m", [16, 48, 64, 100, 255, 2048])
+def test_bf16_weight_copy_exact(kernel, n, k, m):
+    """Option bf16_weight_rows: cuBLAS on the resident bf16 copy of W from 48 rows on -- the exact sum
+    rounded once, up to FP32 order (split-K partials reduced in FP32), deterministic; below 48 rows
+    the kernel's own GEMM."""
+    layer = grid_layer(n, k, seed=m + 5 * n + k)
+    kern = setup_kernel(layer, kernel=kernel, bf16_weight_rows=48)
+    w = dequantize_blocks(layer.weight, layer.weight_scale_inv)
+    assert torch.equal(layer.grid_bf16_weight.view(torch.int16), w.to(torch.bfloat16).view(torch.int16))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = kern.apply(layer, x)
+    check_fp32_accumulation(y, x_grid(x), w)
+    assert torch.equal(kern.apply(layer, x), y)
+    # negative control: the same cuBLAS call on x itself (not quantized) is not the grid
+    from mxfp8_learner_grid.common.grid_kernels.marlin import cublas_fp32_reduction
+    raw = cublas_fp32_reduction(x, layer.grid_bf16_weight)
+    assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
+
+
+@pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND}), (64, {"bf16_weight_rows": 48})])
 def test_refresh_in_place_under_cuda_graph(m, opts):
-    """A graph captured before an in-place update replays the new weights (Marlin; the W8A16 band)."""
+    """A graph captured before an in-place update replays the new weights (Marlin; the W8A16 band;
+    the resident bf16 copy)."""
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=1)
     kern = setup_kernel(layer, **opts)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ptrs = [layer.grid_marlin_weight.data_ptr(), layer.grid_marlin_scale.data_ptr()]
+    ptrs = [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)]
     kern.apply(layer, x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -183,7 +205,7 @@ def test_refresh_in_place_under_cuda_graph(m, opts):
     layer.weight.data.copy_(new.weight)
     layer.weight_scale_inv.data.copy_(new.weight_scale_inv)
     refresh_layer(layer)
-    assert [layer.grid_marlin_weight.data_ptr(), layer.grid_marlin_scale.data_ptr()] == ptrs
+    assert [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)] == ptrs
     graph.replay()
     check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
     stale = [n for n, (t, b) in kern.derived(layer).items() if not torch.equal(t, b())]
@@ -239,12 +261,15 @@ def test_a_stale_packed_copy_is_caught_by_the_derived_state_check():
     model.dense = grid_layer(2048, 4096, seed=5)
     setup_kernel(model.dense)
     model.moe = moe_layer(8, 2048, 768, seed=6)
+    model.copy = grid_layer(2048, 4096, seed=7)
+    setup_kernel(model.copy, bf16_weight_rows=48)
     reg = DerivedRegistry()
-    assert register_kernel_derived(model, reg) == 6
+    assert register_kernel_derived(model, reg) == 9
     assert reg.stale() == []
     model.dense.grid_marlin_weight.view(torch.uint8)[0, :8] ^= 1          # a packed copy left stale
     model.moe.grid_marlin_w2_scale[3, 0, :4] += 1                         # a permuted scale of expert 3
-    assert sorted(reg.stale()) == ["dense.grid_marlin_weight", "moe.grid_marlin_w2_scale"]
+    model.copy.grid_bf16_weight.view(torch.int16)[5, 9] ^= 1              # the resident bf16 copy
+    assert sorted(reg.stale()) == ["copy.grid_bf16_weight", "dense.grid_marlin_weight", "moe.grid_marlin_w2_scale"]
 
 
 # --- the Triton glue of the MoE layer (kernels/moe_triton.py) against the torch ops it replaces ---
