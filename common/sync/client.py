@@ -14,7 +14,9 @@ What ``update_weights`` takes (``common.sync.sources``): a state dict or ``(name
 (zero-copy; transformers 5 fused experts split into per-expert views), a state dict of FSDP2
 ``DTensor`` shards (``ShardedSource``: gathered one bucket at a time; the other trainer ranks call
 ``ShardedSource(state, group).follow()``), or a zero-argument callable returning an iterator
-(``StreamSource``: a metadata pass, then tensors bucket by bucket, never the whole model at once).
+(``StreamSource``: a metadata pass, then tensors bucket by bucket, never the whole model at once),
+or a Megatron-Core / TE trainer's tensor-parallel shards (``common.sync.megatron.MegatronTPSource``:
+gathered over the TP group per bucket and undone from Megatron's layouts).
 
 ``update_weights`` pauses generation, validates the manifest on every rank, streams the
 buckets through the engine's own loaders, collects each rank's local checks, decides byte

