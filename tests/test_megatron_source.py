@@ -98,9 +98,13 @@ def test_one_rank_gives_the_hf_state(mxfp8):
     assert {n: (s, d) for n, s, d in src.metadata()} == {n: (tuple(t.shape), t.dtype) for n, t in want.items()}
 
 
-def test_an_unknown_parameter_is_refused_by_name():
+def test_an_unknown_parameter_or_a_wrong_layout_is_refused_by_name():
     with pytest.raises(UpdateRejected, match="decoder.layers.0.mystery.weight"):
         MegatronTPSource({"decoder.layers.0.mystery.weight": torch.ones(2)}, CFG)
+    with pytest.raises(UpdateRejected, match=r"linear_qkv.weight: local shape \(100, 64\) on 1 TP ranks does not fit"):
+        MegatronTPSource({"decoder.layers.0.self_attention.linear_qkv.weight": torch.ones(100, 64)}, CFG)
+    with pytest.raises(UpdateRejected, match="linear_fc1.weight: a gated fc1 shard needs an even number of rows"):
+        MegatronTPSource({"decoder.layers.0.mlp.linear_fc1.weight": torch.ones(7, 64)}, CFG)
 
 
 def _free_port():

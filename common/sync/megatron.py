@@ -158,7 +158,12 @@ class MegatronTPSource(ShardedSource):
                       for shape, dt in self._local_meta(name, t))
         if rule == GATED and parts[0].shape[0] % 2:
             raise UpdateRejected(f"{name}: a gated fc1 shard needs an even number of rows; got {tuple(t.shape)}")
-        return [(n, tuple(v.shape), v.dtype) for n, v in self._named_out(name, parts)]
+        try:
+            return [(n, tuple(v.shape), v.dtype) for n, v in self._named_out(name, parts)]
+        except (AssertionError, ValueError, IndexError, RuntimeError) as exc:
+            nh, nkv = self.hf_config.get("num_attention_heads"), self.hf_config.get("num_key_value_heads")
+            raise UpdateRejected(f"{name}: local shape {tuple(t.shape)} on {self.world} TP ranks does not fit "
+                                 f"Megatron's layout for this model ({nh} heads, {nkv} query groups): {exc}") from None
 
     def _nbytes_of(self, name, t):
         k = 1 if self._rules[name] is None else self.world

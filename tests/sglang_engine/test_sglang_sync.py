@@ -169,6 +169,23 @@ def payloads(H, moe: bool) -> dict:
     return out
 
 
+def megatron_source(payload):
+    """A Megatron-Core trainer's parameters (TP = 1: Megatron's names and fused layouts, TE MXFP8
+    Linear weights) of the learner whose (wire, bf16) payload is given, as ``MegatronTPSource``."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from megatron_layout import megatron_shards
+    from mxfp8_learner_grid.common.sync.megatron import MegatronTPSource
+    from mxfp8_learner_grid.common.tiny_model import DENSE, MOE
+    wire, bf16 = payload
+    moe = any(".experts." in n for n in bf16)
+    plain = wire["model.norm.weight"].dtype                        # the dtype the engine holds plain tensors in
+    sd = {n: t.to(plain) for n, t in bf16.items()}
+    cfg = dict(MOE if moe else DENSE, vocab_size=sd["model.embed_tokens.weight"].shape[0])
+    return MegatronTPSource(megatron_shards(sd, cfg, moe, 0, 1, True, cfg["vocab_size"]), cfg)
+
+
 def scenario(sc: str, serving: str, p: dict):
     """(target learner, format, tensors, client kwargs, faults) of one scenario."""
     from mxfp8_learner_grid.common import pad_scales, swizzle_scales
@@ -176,6 +193,8 @@ def scenario(sc: str, serving: str, p: dict):
     other = "B" if serving == "A" else "A"
     if sc == "clean_stream":              # a re-iterable stream (common.sync.sources.StreamSource)
         return other, "bf16", (lambda: iter(p[other][1].items())), {}, []
+    if sc == "clean_megatron":            # Megatron-Core / TE names, layouts and MXFP8 tensors (common.sync.megatron)
+        return other, "mxfp8", megatron_source(p[other]), {}, []
     if sc.startswith("clean_mxfp8"):
         return other, "mxfp8", p[other][0], {}, []
     if sc.startswith("clean_bf16") or sc in ("skip_version", "skipped_cache_flush"):
@@ -361,6 +380,10 @@ def test_moe_clean_updates_and_faults(sgl, moe):
     sgl.check_forward(model, p[res["clean_mxfp8@nccl"]["target"]][0])
     for f in order[2:]:
         assert_caught(res[f], f.split("@")[0], "A")
+    res = run_scenarios(sgl, model, p, ["clean_megatron"])       # the engine serves A here
+    assert_clean(res["clean_megatron"])               # a Megatron/TE trainer's own parameters, bytes and all
+    assert res["clean_megatron"]["target"] == "B"
+    sgl.check_forward(model, p["B"][0])
 
 
 def test_unknown_method_and_missing_loader_are_refused(sgl, dense):
