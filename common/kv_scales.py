@@ -40,3 +40,20 @@ def kv_scale_tensors(k_amax: Mapping[int, float], v_amax: Mapping[int, float], m
     for i, a in v_amax.items():
         out[f"{prefix}.{i}.self_attn.v_scale"] = torch.tensor(kv_scale_from_amax(a, margin), dtype=torch.float32)
     return out
+
+
+def check_kv_scales_at_load(layer, prefix: str, kv_cache_dtype: str, policy: str, log) -> bool:
+    """Both engines' rule when an attention layer's weights are processed: does it have trainer-set
+    k/v scales (> 0; a layer without ``k_scale`` attributes counts as having them)?  Noted on the
+    layer (``grid_kv_scales_from_checkpoint``).  Without them an FP8 KV cache uses 1.0 (|K| or |V|
+    beyond 448 saturates): a warning, or a load error under ``kv_cache_scales: required``."""
+    provided = all(float(getattr(layer, n, -1.0)) > 0 for n in ("k_scale", "v_scale")) \
+        if hasattr(layer, "k_scale") else True
+    layer.grid_kv_scales_from_checkpoint = provided
+    if kv_cache_dtype.startswith("fp8") and not provided:
+        if policy == "required":
+            raise ValueError(f"{prefix}: --kv-cache-dtype {kv_cache_dtype} needs k_scale and v_scale for this "
+                             "layer (quantization config says kv_cache_scales: required)")
+        log.warning("mxfp8-learner-grid: %s runs an FP8 KV cache without k/v scales (1.0 is used; "
+                    "values beyond 448 saturate) until the trainer sets them", prefix)
+    return provided

@@ -277,3 +277,58 @@ def create_grid_linear(layer, prefix: str, output_partition_sizes, k: int, param
     layer.grid_act_dtype = params_dtype
     layer.grid_expected_shards = expected_dense_shards(fused, len(output_partition_sizes))
     writes(layer).clear()
+
+
+#: the on-grid parameters of fused experts
+MOE_GRID_PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+
+
+def check_moe_dims(prefix: str, hidden: int, intermediate: int) -> None:
+    if hidden % F.BLOCK_SIZE or intermediate % F.BLOCK_SIZE:
+        raise WireFormatError(f"{prefix}: experts of hidden {hidden}, intermediate {intermediate} per partition are "
+                              f"not on the MXFP8 grid (multiples of {F.BLOCK_SIZE} needed after TP splitting)")
+
+
+def moe_shard_key(layer) -> Callable:
+    """The key of one expert shard write, ``(shard_id, local expert)``, or SKIP for an expert of another
+    rank -- both engines' FusedMoE loaders take ``(param, loaded, weight_name, shard_id, expert_id)``
+    and map global to local experts with ``_map_global_expert_id_to_local_expert_id``."""
+    def shard_key(*args, **kwargs):
+        shard = kwargs.get("shard_id", args[1] if len(args) > 1 else None)
+        expert = kwargs.get("expert_id", args[2] if len(args) > 2 else None)
+        local = layer._map_global_expert_id_to_local_expert_id(expert)
+        return SKIP if local == -1 else (shard, local)
+    return shard_key
+
+
+def create_grid_moe(layer, prefix: str, num_experts: int, hidden: int, intermediate: int, params_dtype,
+                    base_loader: Callable, weight_attrs: dict, set_weight_attrs: Callable, scale_quant_method: str,
+                    shard_info: Callable) -> None:
+    """Register on-grid fused experts on ``layer``: ``w13_weight`` [E, 2I, H] (gate rows, then up rows),
+    ``w2_weight`` [E, H, I] (fp8) and their uint8 ``*_scale_inv`` [.., K/32], with the grid loaders and
+    the facts the later checks read.  The engine supplies ``set_weight_attrs``, the scales'
+    ``quant_method`` attribute (its FusedMoE GROUP value) and ``shard_info`` (see ``wrap_weight_loader``)."""
+    check_moe_dims(prefix, hidden, intermediate)
+    e, h, i = num_experts, hidden, intermediate
+    key = moe_shard_key(layer)
+    for wname, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
+        sname = wname + "_scale_inv"
+        w, s = new_grid_params(shape)
+        set_weight_attrs(w, weight_attrs)
+        set_weight_attrs(s, {**weight_attrs, "quant_method": scale_quant_method})
+        layer.register_parameter(wname, w)
+        layer.register_parameter(sname, s)
+        w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, key, shard_info, named_loader=True)
+        s.weight_loader = wrap_scale_loader(layer, sname, base_loader, key, shard_info)
+    layer.grid_prefix = prefix
+    layer.grid_num_local_experts = e
+    layer.grid_act_dtype = params_dtype
+    writes(layer).clear()
+
+
+def check_moe_loaded(layer, prefix: str) -> None:
+    """Every local expert's w1, w3 and w2 written, weights and scales; no NaN scale byte."""
+    e = layer.grid_num_local_experts
+    for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+        check_complete(layer, prefix, [(sh, x) for sh in shards for x in range(e)], (wname, wname + "_scale_inv"))
+    check_no_nan_scales(layer, prefix, MOE_GRID_PARAMS)

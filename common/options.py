@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+import torch
+
 from . import format as F
 from .selection import ModuleSelection
 from .wire import QUANT_METHOD
@@ -91,3 +93,34 @@ class GridOptions:
             return self.selection.matches_fused(prefix, [f"{head}.{s}" if head else s for s in shards])
         except ValueError as exc:
             raise ValueError(f"{QUANT_METHOD}: {exc}") from None
+
+
+class GridQuantConfigMixin:
+    """The engine-independent half of both plugins' ``QuantizationConfig`` (put it before the
+    engine's base class): the method's name, dtypes, capability, config files, and taking over a
+    checkpoint whose ``quantization_config`` names this method.  Expects ``self.selection`` and
+    ``self.kv_cache_scales``."""
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89          # FP8 conversions in the Triton kernels: Ada, Hopper and newer (no check on CPU)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []          # BF16 checkpoints: the engines then build the config with no arguments (all on the grid)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> Optional[str]:
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == QUANT_METHOD:
+            return QUANT_METHOD
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"

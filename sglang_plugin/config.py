@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from mxfp8_learner_grid.common.options import GridOptions
+from mxfp8_learner_grid.common.options import GridOptions, GridQuantConfigMixin
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.wire import QUANT_METHOD
 
@@ -46,7 +46,7 @@ INJECTED_KEYS = {"packed_modules_mapping", "hf_config", "requantization_method"}
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-class LearnerGridConfig(compat.QuantizationConfig):
+class LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
 
     def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
                  raw: Optional[dict[str, Any]] = None):
@@ -54,25 +54,7 @@ class LearnerGridConfig(compat.QuantizationConfig):
         self.options = GridOptions(selection or ModuleSelection(), kv_cache_scales, raw=dict(raw or {}))
         self.selection, self.kv_cache_scales, self.raw = self.options.selection, kv_cache_scales, self.options.raw
 
-    def __repr__(self) -> str:
-        return f"LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
-
     # -- QuantizationConfig API -------------------------------------------------------
-    def get_name(self) -> str:
-        return QUANT_METHOD
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 89          # FP8 conversions in the Triton kernels: Ada, Hopper and newer (no check on CPU)
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []          # BF16 checkpoints: SGLang then calls LearnerGridConfig() (everything on the grid)
-
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LearnerGridConfig":
         config = dict(config or {})
@@ -84,12 +66,6 @@ class LearnerGridConfig(compat.QuantizationConfig):
         if packed:
             out.packed_modules_mapping = dict(packed)
         return out
-
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> Optional[str]:
-        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == QUANT_METHOD:
-            return QUANT_METHOD
-        return None
 
     def get_scaled_act_names(self) -> list[str]:
         return []

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 
+from mxfp8_learner_grid.common.kv_scales import check_kv_scales_at_load
+
 from . import compat
 
 logger = logging.getLogger("mxfp8_learner_grid.sglang")
@@ -30,15 +32,8 @@ class LearnerGridKVCacheMethod(compat.BaseKVCacheMethod):
         self.prefix = prefix
 
     def process_weights_after_loading(self, layer) -> None:
-        dtype = compat.kv_cache_dtype()
-        provided = all(float(getattr(layer, n)) > 0 for n in ("k_scale", "v_scale"))
-        if not getattr(layer, "grid_kv_processed", False):
-            layer.grid_kv_scales_from_checkpoint = provided
-            if dtype.startswith("fp8") and not provided:
-                if self.quant_config.kv_cache_scales == "required":
-                    raise ValueError(f"{self.prefix}: --kv-cache-dtype {dtype} needs k_scale and v_scale for this "
-                                     "layer (quantization config says kv_cache_scales: required)")
-                logger.warning("mxfp8-learner-grid: %s runs an FP8 KV cache without k/v scales (1.0 is used; "
-                               "values beyond 448 saturate) until the trainer sets them", self.prefix)
+        if not getattr(layer, "grid_kv_processed", False):       # at load, not again after updates
+            check_kv_scales_at_load(layer, self.prefix, compat.kv_cache_dtype(), self.quant_config.kv_cache_scales,
+                                    logger)
         super().process_weights_after_loading(layer)
         layer.grid_kv_processed = True

@@ -11,18 +11,12 @@ Qwen3-MoE builds it without a quant config, and the default selection excludes i
 
 from __future__ import annotations
 
-from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
-from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
-from mxfp8_learner_grid.common.loading import (SKIP, check_complete, check_no_nan_scales, new_grid_params, wrap_scale_loader,
-                                               wrap_weight_loader, writes)
-from mxfp8_learner_grid.common.wire import WireFormatError
-
 from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
+from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
+from mxfp8_learner_grid.common.loading import MOE_GRID_PARAMS, check_moe_loaded, check_no_nan_scales, create_grid_moe
 
 from . import compat
-
-PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 
 
 class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
@@ -56,18 +50,7 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
         self._check_supported(layer, bool(extra_weight_attrs.pop("with_bias", False)))
         extra_weight_attrs.pop("moe_intermediate_size", None)
         h, i = hidden_size, intermediate_size_per_partition
-        if h % F.BLOCK_SIZE or i % F.BLOCK_SIZE:
-            raise WireFormatError(f"{self.prefix}: experts of hidden {h}, intermediate {i} per partition are not "
-                                  f"on the MXFP8 grid (multiples of {F.BLOCK_SIZE} needed after TP splitting)")
         base_loader = extra_weight_attrs.pop("weight_loader")
-        e = num_experts
-
-        def shard_key(*args, **kwargs):
-            shard = kwargs.get("shard_id", args[1] if len(args) > 1 else None)
-            expert = kwargs.get("expert_id", args[2] if len(args) > 2 else None)
-            local = layer._map_global_expert_id_to_local_expert_id(expert)
-            return SKIP if local == -1 else (shard, local)
-
         full_i = i * getattr(layer, "moe_tp_size", 1)
 
         def shard_info(key, param: str):
@@ -77,21 +60,8 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
                 return label, None
             return label, (h, full_i) if shard == "w2" else (full_i, h)
 
-        for wname, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
-            sname = wname + "_scale_inv"
-            w, s = new_grid_params(shape)
-            compat.set_weight_attrs(w, extra_weight_attrs)
-            compat.set_weight_attrs(s, {**extra_weight_attrs,
-                                        "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
-            layer.register_parameter(wname, w)
-            layer.register_parameter(sname, s)
-            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, shard_key, shard_info,
-                                                named_loader=True)
-            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, shard_key, shard_info)
-        layer.grid_prefix = self.prefix
-        layer.grid_num_local_experts = e
-        layer.grid_act_dtype = params_dtype
-        writes(layer).clear()
+        create_grid_moe(layer, self.prefix, num_experts, h, i, params_dtype, base_loader, extra_weight_attrs,
+                        compat.set_weight_attrs, compat.FusedMoeWeightScaleSupported.GROUP.value, shard_info)
 
     def create_moe_runner(self, layer, moe_runner_config) -> None:
         self.runner = None           # no MoeRunner: apply calls common's op directly
@@ -105,11 +75,8 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
         elif first:
-            e = layer.grid_num_local_experts
-            for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
-                check_complete(layer, self.prefix, [(sh, x) for sh in shards for x in range(e)],
-                               (wname, wname + "_scale_inv"))
-        check_no_nan_scales(layer, self.prefix, PARAMS)
+            check_moe_loaded(layer, self.prefix)
+        check_no_nan_scales(layer, self.prefix, MOE_GRID_PARAMS)      # also after every reload
         if first:
             compat.register_kernel_providers()
             layer.grid_kernel = choose_for_moe(self.quant_config, self.prefix, layer)

@@ -36,14 +36,14 @@ from typing import Any, Optional
 
 import torch
 
-from mxfp8_learner_grid.common.options import GridOptions
+from mxfp8_learner_grid.common.options import GridOptions, GridQuantConfigMixin
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.wire import QUANT_METHOD
 
 from . import compat
 
 
-class MXFP8LearnerGridConfig(compat.QuantizationConfig):
+class MXFP8LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
 
     def __init__(self, selection: Optional[ModuleSelection] = None, kv_cache_scales: str = "optional",
                  raw: Optional[dict[str, Any]] = None):
@@ -53,25 +53,7 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
         self.selection, self.kv_cache_scales = self.options.selection, self.options.kv_cache_scales
         self.emulate, self.raw = self.options.emulate, raw
 
-    def __repr__(self) -> str:
-        return f"MXFP8LearnerGridConfig(modules={self.selection.to_dict()}, kv_cache_scales={self.kv_cache_scales})"
-
     # -- QuantizationConfig API -------------------------------------------------------
-    def get_name(self) -> str:
-        return QUANT_METHOD
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 89          # FP8 conversions in the Triton kernels (Ada / Hopper and newer)
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "MXFP8LearnerGridConfig":
         opts = GridOptions.from_dict(config)
@@ -87,12 +69,6 @@ class MXFP8LearnerGridConfig(compat.QuantizationConfig):
     @classmethod
     def from_config_dict_json(cls, text: str) -> "MXFP8LearnerGridConfig":
         return cls.from_config(json.loads(text))
-
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> Optional[str]:
-        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == QUANT_METHOD:
-            return QUANT_METHOD
-        return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if getattr(self, "online_quantization_config", None) is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from mxfp8_learner_grid.common.kv_scales import check_kv_scales_at_load
+
 from . import compat
 
 logger = logging.getLogger("mxfp8_learner_grid.vllm")
@@ -27,14 +29,6 @@ class GridKVCacheMethod(compat.BaseKVCacheMethod):
         self.prefix = prefix
 
     def process_weights_after_loading(self, layer) -> None:
-        dtype = str(getattr(layer, "kv_cache_dtype", "auto"))
-        provided = all(float(getattr(layer, n, -1.0)) > 0 for n in ("k_scale", "v_scale")) \
-            if hasattr(layer, "k_scale") else True
-        layer.grid_kv_scales_from_checkpoint = provided
-        if dtype.startswith("fp8") and not provided:
-            if self.quant_config.kv_cache_scales == "required":
-                raise ValueError(f"{self.prefix}: --kv-cache-dtype {dtype} needs k_scale and v_scale for this "
-                                 "layer (quantization config says kv_cache_scales: required)")
-            logger.warning("mxfp8-learner-grid: %s runs an FP8 KV cache without k/v scales (1.0 is used; "
-                           "values beyond 448 saturate) until the trainer sets them", self.prefix)
+        check_kv_scales_at_load(layer, self.prefix, str(getattr(layer, "kv_cache_dtype", "auto")),
+                                self.quant_config.kv_cache_scales, logger)
         super().process_weights_after_loading(layer)

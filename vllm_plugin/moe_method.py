@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
 from mxfp8_learner_grid.common.refresh import refresh_layer
-from mxfp8_learner_grid.common.wire import WireFormatError
+from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
+from mxfp8_learner_grid.common.loading import check_moe_loaded, create_grid_moe, labels_only
 
 from . import compat
-from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
-from .linear_method import verify_loaded
-from mxfp8_learner_grid.common.loading import (SKIP, labels_only, new_grid_params, wrap_scale_loader, wrap_weight_loader,
-                                               writes)
 
 class GridMoEMethod(compat.FusedMoEMethodBase):
 
@@ -36,36 +32,11 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
         if act != "silu" or not getattr(self.moe, "is_act_and_mul", True):
             raise NotImplementedError(f"{self.prefix}: mxfp8-learner-grid MoE supports SiLU-gated experts; "
                                       f"got activation {act!r}")
-        h, i = hidden_size, intermediate_size_per_partition
-        if h % F.BLOCK_SIZE or i % F.BLOCK_SIZE:
-            raise WireFormatError(f"{self.prefix}: experts of hidden {h}, intermediate {i} per partition are not "
-                                  f"on the MXFP8 grid (multiples of {F.BLOCK_SIZE} needed after TP splitting)")
         base_loader = extra_weight_attrs.pop("weight_loader")
-        e = num_experts
-        shapes = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i)}
-
-        def shard_key(*args, **kwargs):
-            shard = kwargs.get("shard_id", args[1] if len(args) > 1 else None)
-            expert = kwargs.get("expert_id", args[2] if len(args) > 2 else None)
-            local = layer._map_global_expert_id_to_local_expert_id(expert)
-            return SKIP if local == -1 else (shard, local)
-
-        for wname, shape in shapes.items():
-            sname = wname + "_scale_inv"
-            w, s = new_grid_params(shape)
-            compat.set_weight_attrs(w, extra_weight_attrs)
-            compat.set_weight_attrs(s, {**extra_weight_attrs,
-                                        "quant_method": compat.FusedMoeWeightScaleSupported.GROUP.value})
-            layer.register_parameter(wname, w)
-            layer.register_parameter(sname, s)
-            w.weight_loader = wrap_weight_loader(layer, wname, sname, base_loader, shard_key, labels_only(self.prefix),
-                                                named_loader=True)
-            s.weight_loader = wrap_scale_loader(layer, sname, base_loader, shard_key, labels_only(self.prefix))
-        layer.grid_prefix = self.prefix
+        create_grid_moe(layer, self.prefix, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                        base_loader, extra_weight_attrs, compat.set_weight_attrs,
+                        compat.FusedMoeWeightScaleSupported.GROUP.value, labels_only(self.prefix))
         layer.grid_dummy_load = compat.load_format() == "dummy"
-        layer.grid_num_local_experts = e
-        layer.grid_act_dtype = params_dtype
-        writes(layer).clear()
 
     def process_weights_after_loading(self, layer) -> None:
         # Idempotent, allocation-free after the first call (see GridLinearMethod).
@@ -74,10 +45,7 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
         elif first:
-            e = layer.grid_num_local_experts
-            for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
-                verify_loaded(layer, self.prefix, (wname, wname + "_scale_inv"),
-                              [(sh, x) for sh in shards for x in range(e)])
+            check_moe_loaded(layer, self.prefix)
         if first:
             compat.register_kernel_providers()
             layer.grid_kernel = choose_for_moe(self.quant_config, self.prefix, layer)
