@@ -326,9 +326,9 @@ def create_grid_moe(layer, prefix: str, num_experts: int, hidden: int, intermedi
     writes(layer).clear()
 
 
-def check_moe_loaded(layer, prefix: str) -> None:
-    """Every local expert's w1, w3 and w2 written, weights and scales; no NaN scale byte."""
+def check_moe_complete(layer, prefix: str) -> None:
+    """Every local expert's w1, w3 and w2 written, weights and scales (``check_no_nan_scales`` with
+    ``MOE_GRID_PARAMS`` is the other half of a load check; each engine runs it when it should)."""
     e = layer.grid_num_local_experts
     for wname, shards in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
         check_complete(layer, prefix, [(sh, x) for sh in shards for x in range(e)], (wname, wname + "_scale_inv"))
-    check_no_nan_scales(layer, prefix, MOE_GRID_PARAMS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
-from mxfp8_learner_grid.common.loading import MOE_GRID_PARAMS, check_moe_loaded, check_no_nan_scales, create_grid_moe
+from mxfp8_learner_grid.common.loading import MOE_GRID_PARAMS, check_moe_complete, check_no_nan_scales, create_grid_moe
 
 from . import compat
 
@@ -75,7 +75,7 @@ class LearnerGridMoEMethod(compat.FusedMoEMethodBase):
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
         elif first:
-            check_moe_loaded(layer, self.prefix)
+            check_moe_complete(layer, self.prefix)
         check_no_nan_scales(layer, self.prefix, MOE_GRID_PARAMS)      # also after every reload
         if first:
             compat.register_kernel_providers()

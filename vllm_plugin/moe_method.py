@@ -15,7 +15,8 @@ from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mx
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_moe
 from mxfp8_learner_grid.common.refresh import refresh_layer
 from mxfp8_learner_grid.common.dummy import fill_dummy_grid_weights
-from mxfp8_learner_grid.common.loading import check_moe_loaded, create_grid_moe, labels_only
+from mxfp8_learner_grid.common.loading import (MOE_GRID_PARAMS, check_moe_complete, check_no_nan_scales,
+                                               create_grid_moe, labels_only)
 
 from . import compat
 
@@ -45,7 +46,8 @@ class GridMoEMethod(compat.FusedMoEMethodBase):
             fill_dummy_grid_weights(layer.w13_weight, layer.w13_weight_scale_inv, self.prefix + ".w13")
             fill_dummy_grid_weights(layer.w2_weight, layer.w2_weight_scale_inv, self.prefix + ".w2")
         elif first:
-            check_moe_loaded(layer, self.prefix)
+            check_moe_complete(layer, self.prefix)
+            check_no_nan_scales(layer, self.prefix, MOE_GRID_PARAMS)
         if first:
             compat.register_kernel_providers()
             layer.grid_kernel = choose_for_moe(self.quant_config, self.prefix, layer)

@@ -60,7 +60,6 @@ _EXPERT_RULES = [
     (re.compile(_P + r"decoder\.layers\.\d+\.mlp\.experts\.(?:local_experts\.\d+\.linear_fc2\.weight"
                 r"|linear_fc2\.weight\d+)$"), COLS),
 ]
-_EXPERT = re.compile(_P + r"decoder\.layers\.\d+\.mlp\.experts\.")
 
 
 def tp_rule(name: str, expert_tensor_parallel: bool = True) -> Optional[str]:
@@ -106,7 +105,6 @@ class MegatronTPSource(ShardedSource):
         from ..convert import megatron_qwen3_rename
         self.hf_config = dict(hf_config)
         self.vocab = int(self.hf_config.get("vocab_size") or 1 << 62)
-        self.expert_tp = expert_tensor_parallel
         self.rename = megatron_qwen3_rename(self.hf_config)
         items = named.items() if isinstance(named, Mapping) else named
         state = {n: t for n, t in items if not self._dropped(n)}
@@ -156,7 +154,7 @@ class MegatronTPSource(ShardedSource):
         rule = self._rules[name]
         parts = tuple(torch.empty(_global_shape(rule, shape, self.world, self.vocab), dtype=dt, device="meta")
                       for shape, dt in self._local_meta(name, t))
-        if rule == GATED and parts[0].shape[0] % 2:
+        if rule == GATED and t.shape[0] % 2:                 # each rank holds gate rows, then as many up rows
             raise UpdateRejected(f"{name}: a gated fc1 shard needs an even number of rows; got {tuple(t.shape)}")
         try:
             return [(n, tuple(v.shape), v.dtype) for n, v in self._named_out(name, parts)]
@@ -186,7 +184,7 @@ class MegatronTPSource(ShardedSource):
         if self.world == 1:
             return assemble(rule, [p], self.vocab)
         p = p.contiguous()
-        raw = p.view(torch.uint8).reshape(-1) if p.dtype.itemsize == 1 else p.reshape(-1).view(torch.uint8)
+        raw = p.reshape(-1).view(torch.uint8)
         bufs = [torch.empty_like(raw) for _ in range(self.world)] if self.rank == self.src else None
         dst = dist.get_global_rank(self.group, self.src) if self.group is not None else self.src
         dist.gather(raw, bufs, dst=dst, group=self.group)
