@@ -9,6 +9,8 @@
   ``"te"`` mimics TE's MXFP8 backward: dgrad from dy quantized rowwise (1x32 along N)
   and W's columnwise copy; wgrad from the columnwise copies of dy and x (32x1 along
   M; needs the token count M to be a multiple of 32).
+* :func:`set_router_dtype` computes the MoE routers' logits in FP32 (Megatron's
+  ``moe_router_dtype=fp32``), the learner side of the engines' ``router_dtype`` option.
 * :func:`export_wire` writes the model's on-grid weights in the wire format
   (``common/wire.py``) under Hugging Face checkpoint names -- the bytes the forward
   above used.  :func:`wire_from_te` does the same for a Transformer Engine
@@ -115,7 +117,11 @@ class GridExperts(nn.Module):
                 raise ValueError(f"expert weights of shape {tuple(p.shape)} are not on the grid")
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
+        # FP32 routing weights (an FP32 router, ``set_router_dtype``): Megatron's unpermute then
+        # multiplies and sums in FP32 (type promotion) and rounds once; otherwise transformers'
+        # order -- each weighted expert output rounded to the model dtype and summed in it.
+        fp32 = top_k_weights.dtype == torch.float32 and hidden_states.dtype != torch.float32
+        out = torch.zeros_like(hidden_states, dtype=torch.float32 if fp32 else None)
         for e in torch.unique(top_k_index).tolist():
             token_idx, k_pos = torch.where(top_k_index == e)
             h = hidden_states[token_idx]
@@ -123,7 +129,7 @@ class GridExperts(nn.Module):
             h = grid_linear(self.act_fn(gate) * up, self.down_proj[e], None, self.backward_mode)
             h = h * top_k_weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, h.to(out.dtype))
-        return out
+        return out.to(hidden_states.dtype)
 
 
 def _is_fused_experts(mod: nn.Module) -> bool:
@@ -155,6 +161,49 @@ def apply_learner_grid(model: nn.Module, selection: Optional[ModuleSelection] = 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)
     return done
+
+
+def _is_router(name: str, mod: nn.Module) -> bool:
+    from .router import is_router
+    w = getattr(mod, "weight", None)
+    return is_router(name) and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def set_router_dtype(model: nn.Module, dtype: Optional[torch.dtype] = torch.float32) -> list[str]:
+    """Compute every MoE router's logits in ``dtype`` (FP32: Megatron's ``moe_router_dtype=fp32``;
+    None: back to the model dtype), in place; returns the routers' names.
+
+    The router's own forward runs unchanged on an FP32 view of its input and weight (bf16 values
+    are exact in FP32), so its softmax, top-k and normalisation see FP32 logits and return FP32
+    routing weights; :class:`GridExperts` then combines the experts in FP32 and rounds once, as
+    Megatron does with FP32 probabilities.  The parameter itself stays in the model dtype."""
+    done = []
+    for name, mod in model.named_modules():
+        if not _is_router(name, mod):
+            continue
+        if dtype is None:
+            mod.__dict__.pop("forward", None)
+        else:
+            mod.forward = _router_forward(mod, dtype)
+        done.append(name)
+    return done
+
+
+def _router_forward(mod: nn.Module, dtype: torch.dtype):
+    orig = type(mod).forward
+
+    def forward(hidden_states, *args, **kwargs):
+        # the router's own forward, on FP32 views of its input and parameters (differentiable:
+        # the gradient reaches the model-dtype parameter through the casts)
+        saved = dict(mod._parameters)
+        try:
+            for k, v in saved.items():
+                if v is not None:
+                    mod._parameters[k] = v.to(dtype)
+            return orig(mod, hidden_states.to(dtype), *args, **kwargs)
+        finally:
+            mod._parameters.update(saved)
+    return forward
 
 
 def grid_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

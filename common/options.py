@@ -12,6 +12,8 @@ Keys (all optional)::
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
+    router_dtype: float32                                       # MoE router logits in FP32 (Megatron's
+                                                                # moe_router_dtype=fp32; default: model dtype)
     fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
     wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
 """
@@ -29,7 +31,8 @@ from .wire import QUANT_METHOD
 
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
-                        "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache"})
+                        "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
+                        "router_dtype"})
 KV_CACHE_SCALES = ("optional", "required")
 
 
@@ -60,6 +63,8 @@ class GridOptions:
             raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
+        from .router import parse_router_dtype
+        self.router_dtype = parse_router_dtype(self.raw.get("router_dtype"))
         if self.emulate is not None:
             from .emulation import SCHEMES
             if self.emulate not in SCHEMES:

@@ -21,6 +21,10 @@ Arms (sampler side; the learner is MXFP8 unless the arm says otherwise):
 ``fp8emu_block128`` another grid, emulated: 128x128 weight blocks, 1x128 activation groups
 ``grid_all_kvfp8`` ``grid_all`` + FP8 KV cache, per-layer scales from the learner (amax/448)
 ``bf16_bf16``      vLLM in BF16 against the BF16 learner (BF16 end to end)
+``grid_all_r32``   ``grid_all`` with the MoE routers in FP32 (``router_dtype: float32``), against
+                   the MXFP8 learner with FP32 routers (``set_router_dtype``: Megatron's
+                   ``moe_router_dtype=fp32``)
+``bf16_r32``       vLLM in BF16 against that same FP32-router learner (the baseline of ``grid_all_r32``)
 =================  ===============================================================
 
 Prompts: windows of this repository's own Python source (the checkpoints were trained on
@@ -51,6 +55,8 @@ ARMS = {
     "fp8emu_tensor": dict(quant="emulate:fp8_per_tensor", learner="grid"),
     "fp8emu_block128": dict(quant="emulate:fp8_block128", learner="grid"),
     "bf16_bf16": dict(quant=None, learner="bf16"),
+    "grid_all_r32": dict(quant="all", router="float32", learner="grid_r32"),
+    "bf16_r32": dict(quant=None, learner="grid_r32"),
 }
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -117,9 +123,11 @@ def run_arm(arm: str, model: str, sets_file: str, out: str, max_tokens: int, cfg
               gpu_memory_utilization=0.3 if gpu else 0.1, max_num_seqs=64)
     if spec["quant"] in ("all", "half"):
         kw["quantization"] = "mxfp8-learner-grid"
-        if spec["quant"] == "half":
-            kw["hf_overrides"] = {"quantization_config_dict_json":
-                                  json.dumps({"modules": {"layers": list(range(num_layers // 2))}})}
+        opts = {"modules": {"layers": list(range(num_layers // 2))}} if spec["quant"] == "half" else {}
+        if spec.get("router"):
+            opts["router_dtype"] = spec["router"]
+        if opts:
+            kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(opts)}
     elif spec["quant"] == "fp8":
         kw["quantization"] = "fp8"
     elif spec["quant"] and spec["quant"].startswith("emulate:"):
@@ -149,12 +157,14 @@ def learner_logprobs(model: str, mode: str, prompts, completions, device) -> lis
     import torch
     import transformers
 
-    from mxfp8_learner_grid.common.learner import apply_learner_grid
+    from mxfp8_learner_grid.common.learner import apply_learner_grid, set_router_dtype
     key = (model, mode)
     if key not in _LEARNERS:
         m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
-        if mode == "grid":
+        if mode in ("grid", "grid_r32"):
             apply_learner_grid(m)
+        if mode == "grid_r32":
+            set_router_dtype(m, torch.float32)
         _LEARNERS[key] = m
     m = _LEARNERS[key]
     out = []
@@ -198,7 +208,11 @@ def main() -> int:
     report = {"model": os.path.abspath(args.model), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "arms": {}, "errors": {}}
     kv_model = None
+    moe = "num_experts" in cfg or "num_local_experts" in cfg
     for arm in arms:
+        if ARMS[arm]["learner"] == "grid_r32" and not moe:
+            report["errors"][arm] = "a dense model has no router"
+            continue
         if ARMS[arm]["quant"] == "fp8" and not gpu:
             report["errors"][arm] = "vLLM's fp8 needs CUDA; skipped on CPU"
             continue
@@ -236,10 +250,12 @@ def main() -> int:
         report["arms"][arm] = {"learner": ARMS[arm]["learner"], "engine_start_s": rec["engine_start_s"],
                                "per_set": per_set, "summary": summary}
     base = report["arms"].get("bf16", {}).get("summary", {}).get("kl_k3", {}).get("mean")
+    base_r32 = report["arms"].get("bf16_r32", {}).get("summary", {}).get("kl_k3", {}).get("mean")
     print(f"\n{'arm':16} {'learner':8} {'kl_k3':>22} {'kl_k1':>12} {'abs_diff':>10} {'mult_err':>9} {'vs bf16':>8}")
     for arm, a in report["arms"].items():
         s = a["summary"]
-        ratio = s["kl_k3"]["mean"] / base if base else float("nan")
+        b = base_r32 if a["learner"] == "grid_r32" else base        # against the BF16 sampler, same learner
+        ratio = s["kl_k3"]["mean"] / b if b else float("nan")
         a["kl_k3_vs_bf16_sampler"] = ratio
         print(f"{arm:16} {a['learner']:8} {s['kl_k3']['mean']:.3e} ± {s['kl_k3']['std']:.1e} "
               f"{s['kl_k1']['mean']:12.2e} {s['abs_diff']['mean']:10.4f} {s['token_mult_prob_err']['mean']:9.4f} "

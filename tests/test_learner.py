@@ -137,3 +137,80 @@ def test_export_te_state_dict_renames_and_pairs():
     t = types.SimpleNamespace(shape=w.shape, _rowwise_data=None, _rowwise_scale_inv=None)
     with pytest.raises(ValueError, match="no rowwise copy"):
         wire_from_te(t, "x.weight")
+
+
+def _routed(moe_model, dtype):
+    """(router input, router outputs) of layer 0 in one forward of ``moe_model``."""
+    cap = {}
+    r = moe_model.model.layers[0].mlp.gate
+    h1 = r.register_forward_pre_hook(lambda mod, args: cap.__setitem__("x", args[0]) or None)
+    h2 = r.register_forward_hook(lambda mod, args, out: cap.__setitem__("out", out) or None)
+    with torch.no_grad():
+        logits = moe_model(torch.arange(3, 40).reshape(1, -1)).logits.float()
+    h1.remove()
+    h2.remove()
+    return cap["x"], cap["out"], logits
+
+
+def test_fp32_router_matches_megatron_and_can_be_undone():
+    """set_router_dtype: the router's logits are F.linear(x.float(), W.float()) exactly (Megatron's
+    moe_router_dtype=fp32), not bf16-rounded; routing weights are FP32; the weight stays bf16; None undoes it."""
+    from mxfp8_learner_grid.common.learner import set_router_dtype
+    m = tiny_models.build_model(moe=True).to(torch.bfloat16).eval()
+    apply_learner_grid(m)
+    x0, out0, lg0 = _routed(m, None)
+    assert out0[0].dtype == torch.bfloat16                                  # the default: model dtype
+    names = set_router_dtype(m, torch.float32)
+    assert names == [f"model.layers.{i}.mlp.gate" for i in range(len(m.model.layers))]
+    x, out, lg = _routed(m, torch.float32)
+    w = m.model.layers[0].mlp.gate.weight
+    assert w.dtype == torch.bfloat16 and isinstance(w, nn.Parameter)
+    ref = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), w.float())
+    assert out[0].dtype == torch.float32 and torch.equal(out[0], ref)
+    assert not torch.equal(out[0], out[0].bfloat16().float())             # really not rounded to bf16
+    assert out[1].dtype == torch.float32                                  # routing weights in FP32
+    assert not torch.equal(lg, lg0)                                       # and the model's output moves
+    set_router_dtype(m, None)
+    assert torch.equal(_routed(m, None)[2], lg0)
+
+
+def test_grid_experts_combine_fp32_weights_in_fp32_rounding_once():
+    """FP32 routing weights: the experts' weighted outputs are summed in FP32 and rounded once (the
+    engine's FP32 combine, Megatron's unpermute with FP32 probs); bf16 weights keep transformers' order
+    (each weighted output rounded to bf16, summed in bf16)."""
+    from mxfp8_learner_grid.common.learner import GridExperts, grid_linear
+    m = tiny_models.build_model(moe=True).to(torch.bfloat16).eval()
+    ge = GridExperts(m.model.layers[0].mlp.experts)
+    g = torch.Generator().manual_seed(0)
+    t, k, e = 16, 2, ge.num_experts
+    x = torch.randn(t, ge.gate_up_proj.shape[-1], generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g) + 0.1
+    with torch.no_grad():
+        y32, y16 = ge(x, idx, wts), ge(x, idx, wts.bfloat16())
+        ref32, ref16 = torch.zeros(t, x.shape[-1]), torch.zeros(t, x.shape[-1], dtype=torch.bfloat16)
+        for i in range(t):
+            for j in range(k):
+                ex = int(idx[i, j])
+                gate, up = grid_linear(x[i:i + 1], ge.gate_up_proj[ex]).chunk(2, dim=-1)
+                h = grid_linear(ge.act_fn(gate) * up, ge.down_proj[ex])[0]
+                ref32[i] += h.float() * wts[i, j]
+                ref16[i] += (h * wts[i, j].bfloat16()).bfloat16()
+    assert y32.dtype == y16.dtype == torch.bfloat16
+    assert torch.equal(y32, ref32.bfloat16())
+    assert torch.equal(y16, ref16)
+    assert not torch.equal(y32, y16)
+
+
+def test_router_dtype_option():
+    from mxfp8_learner_grid.common.options import GridOptions
+    from mxfp8_learner_grid.common.router import is_router
+    assert GridOptions.from_dict({}).router_dtype is None
+    assert GridOptions.from_dict({"router_dtype": "model"}).router_dtype is None
+    assert GridOptions.from_dict({"router_dtype": "float32"}).router_dtype == torch.float32
+    assert GridOptions.from_dict({"router_dtype": "fp32"}).router_dtype == torch.float32
+    for bad in ("float16", 32, True, "bf16"):
+        with pytest.raises(ValueError, match="router_dtype"):
+            GridOptions.from_dict({"router_dtype": bad})
+    assert is_router("model.layers.3.mlp.gate") and not is_router("model.layers.3.mlp.gate_up_proj")
+    assert not is_router("model.layers.3.mlp.gate_proj")

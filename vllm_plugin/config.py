@@ -23,6 +23,8 @@ Options (all optional)::
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
                                    # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
+    router_dtype: float32          # MoE router logits computed in FP32, as Megatron's moe_router_dtype=fp32
+                                   # (common/router.py; default "model": the model dtype, as before)
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
 all of its Hugging Face shards (``q_proj``/``k_proj``/``v_proj``) are selected and none is
@@ -37,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from mxfp8_learner_grid.common.options import GridOptions, GridQuantConfigMixin
+from mxfp8_learner_grid.common.router import is_router
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.wire import QUANT_METHOD
 
@@ -84,7 +87,12 @@ class MXFP8LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
             if isinstance(layer, compat.MOE_LAYER_TYPES) and self.on_grid(prefix):
                 return EmulatedMoEMethod(self.emulate, layer)
         if isinstance(layer, compat.LinearBase):
-            return GridLinearMethod(self, prefix) if self.on_grid(prefix) else GridPlainLinearMethod()
+            if self.on_grid(prefix):
+                return GridLinearMethod(self, prefix)
+            if self.options.router_dtype is not None and is_router(prefix):
+                from .linear_method import GridRouterMethod
+                return GridRouterMethod(self.options.router_dtype, prefix)
+            return GridPlainLinearMethod()
         if isinstance(layer, compat.MOE_LAYER_TYPES):
             if self.on_grid(prefix):
                 return GridMoEMethod(self, layer, prefix)

@@ -7,6 +7,7 @@ import torch
 from mxfp8_learner_grid.common import ops  # noqa: F401  (registers torch.ops.mxfp8_learner_grid.*)
 from mxfp8_learner_grid.common.grid_kernels.layers import choose_for_linear, register_kernel_derived
 from mxfp8_learner_grid.common.refresh import refresh_layer
+from mxfp8_learner_grid.common.router import router_logits
 from mxfp8_learner_grid.common.loading import check_complete, check_no_nan_scales, create_grid_linear, labels_only
 
 from . import compat
@@ -64,6 +65,19 @@ class GridPlainLinearMethod(compat.UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         layer._cpu_skip_gemm_dispatch = True
         super().process_weights_after_loading(layer)
+
+
+class GridRouterMethod(GridPlainLinearMethod):
+    """An MoE router with option ``router_dtype: float32``: the plain bf16 weight (written by every
+    update like any other), logits computed in FP32 and returned in FP32 (``common.router``), so
+    that vLLM's top-k and the grid MoE's combine see the logits Megatron's FP32 router computes."""
+
+    def __init__(self, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.dtype, self.prefix = dtype, prefix
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return router_logits(x, layer.weight, bias, self.dtype)
 
 
 class GridPlainEmbeddingMethod(compat.UnquantizedEmbeddingMethod):

@@ -4,7 +4,8 @@
 
 Keys: model, quantization (optional), dtype (default float32), hf_overrides, max_tokens,
 prompts (token id lists), digest (sha256 of every parameter), methods (quant method per
-module), tp (tensor_parallel_size), ep (enable_expert_parallel).
+module), tp (tensor_parallel_size), ep (enable_expert_parallel), probe (a function of
+tests/engine/probes.py run on the model).
 """
 
 import json
@@ -36,6 +37,9 @@ def main():
         out["digest"] = llm.apply_model(inspect.param_digests)
     if spec.get("methods"):
         out["methods"] = llm.apply_model(inspect.quant_methods)
+    if spec.get("probe"):                       # a test-only view (tests/engine/probes.py)
+        import probes
+        out["probe"] = llm.apply_model(getattr(probes, spec["probe"]))
     print("RESULT " + json.dumps(out), flush=True)
     return llm
 

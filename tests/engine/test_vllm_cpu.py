@@ -198,3 +198,20 @@ def test_off_grid_shape_is_refused(tmp_path):
     text = run_engine({"model": str(path), "quantization": GRID, "prompts": PROMPTS[:1], "max_tokens": 1},
                       expect_fail=True)
     assert "model.layers.0.self_attn.qkv_proj" in text and "not on the MXFP8 grid" in text, text[-4000:]
+
+
+def test_fp32_router_option(models):
+    """router_dtype: float32 (Megatron's moe_router_dtype=fp32): in a bf16 engine every router's logits
+    are FP32 and equal F.linear(x.float(), W.float()); without the option they are bf16-rounded."""
+    path = models["moe"]
+    spec = {"model": path, "quantization": GRID, "dtype": "bfloat16", "probe": "router_probe",
+            "prompts": PROMPTS[:1], "max_tokens": 2}
+    fp32 = run_engine({**spec, "hf_overrides": {"quantization_config_dict_json": json.dumps({"router_dtype": "float32"})}})
+    base = run_engine(spec)
+    got, plain = fp32["probe"][0], base["probe"][0]               # apply_model: one result per worker
+    assert got and set(got) == set(plain)
+    for name, (dtype, exact, bf16_valued, method) in got.items():
+        assert (dtype, exact, bf16_valued, method) == ("torch.float32", True, False, "GridRouterMethod"), name
+    for name, (dtype, exact, bf16_valued, method) in plain.items():
+        assert dtype == "torch.bfloat16" and bf16_valued and method != "GridRouterMethod", name
+    assert fp32["gen_ids"] and len(fp32["gen_ids"][0]) == 2
