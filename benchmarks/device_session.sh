@@ -4,6 +4,9 @@
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
 #   bash benchmarks/device_session.sh study           # consistency study, dense on GPU 0 and MoE on GPU 1
+#   bash benchmarks/device_session.sh study1 KIND [ARMS]   # consistency study of one model (dense|moe) on GPU 0
+#   bash benchmarks/device_session.sh amplify [KINDS]  # per-layer code flips / router top-k flips (examples/amplification_study.py)
+#   bash benchmarks/device_session.sh qdqfusion       # torch.compile-fused qdq vs the Triton qdq after RMSNorm / SiLU*up
 #   bash benchmarks/device_session.sh linear          # new kernel tests + linear benchmark + plot
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
 #   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
@@ -56,6 +59,20 @@ case "${1:-kernels}" in
     done
     wait
     tail -12 "$OUT"/study-*.log
+    ;;
+  study1) # one model's study on one GPU: bash device_session.sh study1 moe bf16,grid_all,grid_all_r32,bf16_r32
+    m=${2:-dense}
+    python3 examples/consistency_study.py --model "${MODELS:-/tmp/models}/qwen3-tiny-$m" --out "$OUT/study-$m" \
+      ${3:+--arms $3} ${STUDY_ARGS:-} 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/study-$m.log" | tail -16
+    ;;
+  amplify)
+    for m in ${2:-dense moe}; do
+      python3 examples/amplification_study.py --model "${MODELS:-/tmp/models}/qwen3-tiny-$m" --out "$OUT/amp-$m" \
+        ${AMP_ARGS:-} 2>&1 | grep -v " INFO \| WARNING \|Loading weights" | tee "$OUT/amp-$m.log" | grep -E "router|tokens|FAILED|Error" | tail -8
+    done
+    ;;
+  qdqfusion)
+    python3 benchmarks/bench_qdq_fusion.py --out "$OUT/qdq_fusion.jsonl" 2>&1 | tee "$OUT/qdq_fusion.log" | tail -14
     ;;
   fast)   # the fast path: GPU tests (exactness, refresh under graphs, MoE), then the kernel benchmark
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py tests/gpu/test_cuda_gemv_qdq.py \
