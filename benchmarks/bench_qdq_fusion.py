@@ -59,9 +59,11 @@ def silu_mul(gu):
 
 
 def _emulating(fn):
-    """Compile (at first call) with ``emulate_precision_casts``: without it Inductor keeps a fused
-    intermediate in fp32 where eager rounds it to bf16 (the producer's bf16 output), so the fused
-    qdq would quantize different values (seen on CPU: Inductor's RMSNorm + qdq != qdq(RMSNorm))."""
+    """Compile (at first call) with ``emulate_precision_casts``, every arm alike: without it Inductor
+    keeps a fused intermediate in fp32 where eager rounds it to bf16 -- SiLU's output before the
+    product, and the producer's own bf16 output before a fused qdq -- so the fused qdq would quantize
+    other values than the layer would receive (seen on CPU: Inductor's RMSNorm + qdq != qdq(RMSNorm)),
+    and a producer compiled alone would differ from one compiled with the qdq (seen on the H200)."""
     import torch._inductor.config as C
 
     def call(*a):
@@ -78,13 +80,13 @@ def make(producer: str, arm: str):
         def fused(x, r, w):
             y, r2 = rmsnorm(x, r, w)
             return qdq_torch(y), r2
-        base = torch.compile(op, fullgraph=True, dynamic=False)
+        base = _emulating(torch.compile(op, fullgraph=True, dynamic=False))
         if arm == "op":
             return base
         if arm == "triton":
             return lambda x, r, w: (lambda y: (qdq_rows(y[0], torch.bfloat16), y[1]))(base(x, r, w))
         return _emulating(torch.compile(fused, fullgraph=True, dynamic=False))
-    base = torch.compile(silu_mul, fullgraph=True, dynamic=False)
+    base = _emulating(torch.compile(silu_mul, fullgraph=True, dynamic=False))
     if arm == "op":
         return lambda gu: (base(gu),)
     if arm == "triton":
