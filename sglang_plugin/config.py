@@ -62,6 +62,11 @@ class LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
         opts = GridOptions.from_dict(config, ignore=INJECTED_KEYS)
         if opts.emulate is not None:
             raise ValueError(f"{QUANT_METHOD}: 'emulate' (the consistency study's other grids) is vLLM-only")
+        if opts.router_dtype is not None:
+            # SGLang's Qwen3-MoE builds its router with quant_config=None: the plugin never sees it,
+            # so the option would silently do nothing
+            raise ValueError(f"{QUANT_METHOD}: 'router_dtype' is vLLM-only (SGLang builds MoE routers without the "
+                             "quantization config, so the plugin cannot compute them in FP32)")
         out = cls(opts.selection, opts.kv_cache_scales, raw=opts.raw)
         if packed:
             out.packed_modules_mapping = dict(packed)
