@@ -27,6 +27,7 @@ from torch import nn
 from . import format as F
 from .layout import strip_padding, unswizzle_scales
 from .linear import mxfp8_linear_reference
+from .ops import weighted_activation
 from .quantize import quantize_mxfp8, quantize_rows
 from .selection import ModuleSelection
 from .tensor import dequantize_blocks
@@ -112,6 +113,7 @@ class GridExperts(nn.Module):
         self.act_fn = experts.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
         self.backward_mode = backward
+        self.router_weights = "combine"          # or "activation": Megatron's order (set_moe_router_weights)
         for p in (self.gate_up_proj, self.down_proj):
             if not _on_grid_shape(p):
                 raise ValueError(f"expert weights of shape {tuple(p.shape)} are not on the grid")
@@ -120,14 +122,21 @@ class GridExperts(nn.Module):
         # FP32 routing weights (an FP32 router, ``set_router_dtype``): Megatron's unpermute then
         # multiplies and sums in FP32 (type promotion) and rounds once; otherwise transformers'
         # order -- each weighted expert output rounded to the model dtype and summed in it.
-        fp32 = top_k_weights.dtype == torch.float32 and hidden_states.dtype != torch.float32
+        # Router weights on the activation (Megatron's TEGroupedMLP): SiLU(gate) * up * w in FP32,
+        # rounded once, is the down projection's input; the experts' outputs are summed unweighted
+        # in FP32 (Megatron's fused unpermute) -- ``ops.moe_reference``'s order, for the engine option.
+        on_act = self.router_weights == "activation"
+        fp32 = on_act or (top_k_weights.dtype == torch.float32 and hidden_states.dtype != torch.float32)
         out = torch.zeros_like(hidden_states, dtype=torch.float32 if fp32 else None)
         for e in torch.unique(top_k_index).tolist():
             token_idx, k_pos = torch.where(top_k_index == e)
             h = hidden_states[token_idx]
             gate, up = grid_linear(h, self.gate_up_proj[e], None, self.backward_mode).chunk(2, dim=-1)
-            h = grid_linear(self.act_fn(gate) * up, self.down_proj[e], None, self.backward_mode)
-            h = h * top_k_weights[token_idx, k_pos, None]
+            w = top_k_weights[token_idx, k_pos, None]
+            if on_act:
+                h = grid_linear(weighted_activation(gate, up, w), self.down_proj[e], None, self.backward_mode)
+            else:
+                h = grid_linear(self.act_fn(gate) * up, self.down_proj[e], None, self.backward_mode) * w
             out.index_add_(0, token_idx, h.to(out.dtype))
         return out.to(hidden_states.dtype)
 
@@ -204,6 +213,23 @@ def _router_forward(mod: nn.Module, dtype: torch.dtype):
         finally:
             mod._parameters.update(saved)
     return forward
+
+
+def set_moe_router_weights(model: nn.Module, where: str = "activation") -> list[str]:
+    """Where the learner's on-grid experts apply the router weights: ``"activation"`` (Megatron's
+    TEGroupedMLP: on SiLU(gate) * up, before the down projection's quantization) or ``"combine"``
+    (transformers' and vLLM's order: on the experts' outputs).  The engines' twin is the option
+    ``moe_router_weights``.  Returns the names of the experts modules set."""
+    if where not in ("combine", "activation"):
+        raise ValueError(f"where must be 'combine' or 'activation'; got {where!r}")
+    done = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, GridExperts):
+            mod.router_weights = where
+            done.append(name)
+    if not done:
+        raise ValueError("no on-grid experts in this model (apply_learner_grid first)")
+    return done
 
 
 def grid_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

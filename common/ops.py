@@ -108,9 +108,19 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor])
     return expert_map.to(torch.int64)[topk_ids.to(torch.int64)]
 
 
-def moe_reference(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
+def weighted_activation(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``weighted_bias_swiglu`` (TEGroupedMLP, ``jit_fuser`` = torch.compile): SiLU(g) * u
+    * w computed in FP32 and rounded once to g's dtype -- the down projection's input when the
+    router weights multiply the activation (option ``moe_router_weights: activation``)."""
+    return (Fn.silu(g.to(torch.float32)) * u.to(torch.float32) * w.to(torch.float32)).to(g.dtype)
+
+
+def moe_reference(x, w13, w13_s, w2, w2_s, topk_weights, local_ids, weights_on_activation: bool = False):
     """Per-expert loop: the definition (CPU path).  Routed rows of x quantized once (rowwise),
-    gate_up on the grid, SiLU(gate) * up in x's dtype, down on the grid, router weight, sum."""
+    gate_up on the grid, SiLU(gate) * up in x's dtype, down on the grid, router weight, sum in FP32.
+    ``weights_on_activation`` (Megatron's order): the router weight multiplies the activation
+    instead (``weighted_activation``), before the down projection quantizes it; the experts'
+    outputs are then summed unweighted, in FP32 (Megatron's fused unpermute)."""
     t, h = x.shape
     out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
     xq, xs = quantize_rows(x)
@@ -119,8 +129,13 @@ def moe_reference(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
         tok, pos = torch.where(local_ids == e)
         gu = (xa[tok] @ dequantize_blocks(w13[e], w13_s[e]).t()).to(x.dtype)
         g, u = gu.chunk(2, dim=-1)
-        d = mxfp8_linear_reference(Fn.silu(g) * u, w2[e], w2_s[e])
-        out.index_add_(0, tok, d.to(torch.float32) * topk_weights[tok, pos, None].to(torch.float32))
+        w = topk_weights[tok, pos, None]
+        if weights_on_activation:
+            d = mxfp8_linear_reference(weighted_activation(g, u, w), w2[e], w2_s[e])
+            out.index_add_(0, tok, d.to(torch.float32))
+        else:
+            d = mxfp8_linear_reference(Fn.silu(g) * u, w2[e], w2_s[e])
+            out.index_add_(0, tok, d.to(torch.float32) * w.to(torch.float32))
     return out.to(x.dtype)
 
 
@@ -162,16 +177,17 @@ def moe_triton(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
 @torch.library.custom_op("mxfp8_learner_grid::moe", mutates_args=())
 def grid_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
              w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-             expert_map: Optional[torch.Tensor]) -> torch.Tensor:
-    """A SiLU-gated MoE layer on the grid.  w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I]."""
+             expert_map: Optional[torch.Tensor], weights_on_activation: bool = False) -> torch.Tensor:
+    """A SiLU-gated MoE layer on the grid.  w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I].
+    ``weights_on_activation``: Megatron's order (see ``moe_reference``; the reference loop only)."""
     local_ids = local_expert_ids(topk_ids, expert_map)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    if choose_backend(x) == "torch":
-        return moe_reference(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids)
+    if weights_on_activation or choose_backend(x) == "torch":
+        return moe_reference(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids, weights_on_activation)
     return moe_triton(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids)
 
 
 @grid_moe.register_fake
-def _(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map):
+def _(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map, weights_on_activation=False):
     return torch.empty_like(x)

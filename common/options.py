@@ -14,6 +14,9 @@ Keys (all optional)::
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     router_dtype: float32                                       # MoE router logits in FP32 (Megatron's
                                                                 # moe_router_dtype=fp32; default: model dtype)
+    moe_router_weights: combine | activation                    # where the router weights multiply: the experts'
+                                                                # outputs (default) or the SiLU*up activation before
+                                                                # the down projection (Megatron's TEGroupedMLP)
     fmt / block_size / scale_format                             # must say e4m3 / 32 / e8m0
     wire_version, activation_scheme, checkpoint_format, producer   # informational (wire format)
 """
@@ -32,7 +35,8 @@ from .wire import QUANT_METHOD
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                        "router_dtype"})
+                        "router_dtype", "moe_router_weights"})
+MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
 
@@ -63,6 +67,9 @@ class GridOptions:
             raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
+        if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:
+            raise ValueError(f"moe_router_weights must be one of {MOE_ROUTER_WEIGHTS}; "
+                             f"got {self.raw.get('moe_router_weights')!r}")
         from .router import parse_router_dtype
         self.router_dtype = parse_router_dtype(self.raw.get("router_dtype"))
         if self.emulate is not None:

@@ -25,6 +25,11 @@ Arms (sampler side; the learner is MXFP8 unless the arm says otherwise):
                    the MXFP8 learner with FP32 routers (``set_router_dtype``: Megatron's
                    ``moe_router_dtype=fp32``)
 ``bf16_r32``       vLLM in BF16 against that same FP32-router learner (the baseline of ``grid_all_r32``)
+``grid_all_meg``   ``grid_all`` with ``moe_router_weights: activation``, against a learner in Megatron's
+                   MoE order (``set_moe_router_weights``: router weights on SiLU*up, before the down
+                   projection's quantization, as Megatron's TEGroupedMLP)
+``grid_all_vs_meg`` ``grid_all`` (default order) against that Megatron-order learner
+``bf16_meg``       vLLM in BF16 against the Megatron-order learner (the baseline of the two above)
 =================  ===============================================================
 
 Prompts: windows of this repository's own Python source (the checkpoints were trained on
@@ -57,7 +62,14 @@ ARMS = {
     "bf16_bf16": dict(quant=None, learner="bf16"),
     "grid_all_r32": dict(quant="all", router="float32", learner="grid_r32"),
     "bf16_r32": dict(quant=None, learner="grid_r32"),
+    "grid_all_meg": dict(quant="all", opts={"moe_router_weights": "activation"}, learner="grid_meg"),
+    "grid_all_vs_meg": dict(quant="all", learner="grid_meg"),
+    "bf16_meg": dict(quant=None, learner="grid_meg"),
 }
+#: the learner of each ``learner`` mode that is not plain BF16: (router dtype, MoE router-weight order)
+LEARNER_MODES = {"grid": (None, "combine"), "grid_r32": ("float32", "combine"), "grid_meg": (None, "activation")}
+#: the BF16-sampler arm each learner mode is compared with
+BASELINE = {"grid": "bf16", "grid_r32": "bf16_r32", "grid_meg": "bf16_meg", "bf16": "bf16"}
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -126,6 +138,7 @@ def run_arm(arm: str, model: str, sets_file: str, out: str, max_tokens: int, cfg
         opts = {"modules": {"layers": list(range(num_layers // 2))}} if spec["quant"] == "half" else {}
         if spec.get("router"):
             opts["router_dtype"] = spec["router"]
+        opts.update(spec.get("opts", {}))
         if opts:
             kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(opts)}
     elif spec["quant"] == "fp8":
@@ -157,14 +170,17 @@ def learner_logprobs(model: str, mode: str, prompts, completions, device) -> lis
     import torch
     import transformers
 
-    from mxfp8_learner_grid.common.learner import apply_learner_grid, set_router_dtype
+    from mxfp8_learner_grid.common.learner import apply_learner_grid, set_moe_router_weights, set_router_dtype
     key = (model, mode)
     if key not in _LEARNERS:
         m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
-        if mode in ("grid", "grid_r32"):
+        if mode in LEARNER_MODES:
             apply_learner_grid(m)
-        if mode == "grid_r32":
-            set_router_dtype(m, torch.float32)
+            router, order = LEARNER_MODES[mode]
+            if router:
+                set_router_dtype(m, getattr(torch, router))
+            if order != "combine":
+                set_moe_router_weights(m, order)
         _LEARNERS[key] = m
     m = _LEARNERS[key]
     out = []
@@ -210,7 +226,7 @@ def main() -> int:
     kv_model = None
     moe = "num_experts" in cfg or "num_local_experts" in cfg
     for arm in arms:
-        if ARMS[arm]["learner"] == "grid_r32" and not moe:
+        if ARMS[arm]["learner"] in ("grid_r32", "grid_meg") and not moe:
             report["errors"][arm] = "a dense model has no router"
             continue
         if ARMS[arm]["quant"] == "fp8" and not gpu:
@@ -249,12 +265,12 @@ def main() -> int:
                        "std": statistics.stdev(m[k] for m in per_set) if len(per_set) > 1 else 0.0} for k in keys}
         report["arms"][arm] = {"learner": ARMS[arm]["learner"], "engine_start_s": rec["engine_start_s"],
                                "per_set": per_set, "summary": summary}
-    base = report["arms"].get("bf16", {}).get("summary", {}).get("kl_k3", {}).get("mean")
-    base_r32 = report["arms"].get("bf16_r32", {}).get("summary", {}).get("kl_k3", {}).get("mean")
+    def base_of(learner):
+        return report["arms"].get(BASELINE.get(learner, "bf16"), {}).get("summary", {}).get("kl_k3", {}).get("mean")
     print(f"\n{'arm':16} {'learner':8} {'kl_k3':>22} {'kl_k1':>12} {'abs_diff':>10} {'mult_err':>9} {'vs bf16':>8}")
     for arm, a in report["arms"].items():
         s = a["summary"]
-        b = base_r32 if a["learner"] == "grid_r32" else base        # against the BF16 sampler, same learner
+        b = base_of(a["learner"])                      # against the BF16 sampler, same learner
         ratio = s["kl_k3"]["mean"] / b if b else float("nan")
         a["kl_k3_vs_bf16_sampler"] = ratio
         print(f"{arm:16} {a['learner']:8} {s['kl_k3']['mean']:.3e} ± {s['kl_k3']['std']:.1e} "

@@ -214,3 +214,61 @@ def test_router_dtype_option():
             GridOptions.from_dict({"router_dtype": bad})
     assert is_router("model.layers.3.mlp.gate") and not is_router("model.layers.3.mlp.gate_up_proj")
     assert not is_router("model.layers.3.mlp.gate_proj")
+
+
+def test_router_weights_on_the_activation_megatron_order():
+    """moe_router_weights: activation -- the engine's reference loop and the learner's GridExperts both
+    compute Megatron's order: down(bf16(SiLU(g) * u * w in FP32)), summed unweighted in FP32, rounded
+    once; the default order (weights on the outputs) differs."""
+    import torch.nn.functional as Fn
+    from mxfp8_learner_grid.common.learner import GridExperts, set_moe_router_weights
+    from mxfp8_learner_grid.common.ops import moe_reference
+    m = tiny_models.build_model(moe=True).to(torch.bfloat16).eval()
+    apply_learner_grid(m)
+    ge = m.model.layers[0].mlp.experts
+    assert isinstance(ge, GridExperts)
+    g = torch.Generator().manual_seed(1)
+    t, k, e = 12, 2, ge.num_experts
+    x = torch.randn(t, ge.gate_up_proj.shape[-1], generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g) * 0.9 + 0.05
+    # the definition, written out: TE-exact grid GEMMs (mxfp8_linear_reference), Megatron's activation
+    want = torch.zeros(t, x.shape[-1])
+    for i in range(t):
+        for j in range(k):
+            ex = int(idx[i, j])
+            w13q, w13s = quantize_rows(ge.gate_up_proj[ex])
+            gu = mxfp8_linear_reference(x[i:i + 1], w13q, w13s)
+            gt, up = gu.chunk(2, dim=-1)
+            a = (Fn.silu(gt.float()) * up.float() * wts[i, j]).bfloat16()
+            w2q, w2s = quantize_rows(ge.down_proj[ex])
+            want[i] += mxfp8_linear_reference(a, w2q, w2s)[0].float()
+    want = want.bfloat16()
+    with torch.no_grad():
+        default = ge(x, idx, wts)
+        assert set_moe_router_weights(m, "activation") == [f"model.layers.{i}.mlp.experts" for i in range(len(m.model.layers))]
+        learner = ge(x, idx, wts)
+    q13, s13 = zip(*[quantize_rows(ge.gate_up_proj[i]) for i in range(e)])
+    q2, s2 = zip(*[quantize_rows(ge.down_proj[i]) for i in range(e)])
+    engine = moe_reference(x, torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2), wts, idx,
+                           weights_on_activation=True)
+    assert torch.equal(learner, want) and torch.equal(engine, want)
+    assert not torch.equal(default, want)
+    with pytest.raises(ValueError, match="'combine' or 'activation'"):
+        set_moe_router_weights(m, "input")
+
+
+def test_router_weights_on_the_activation_is_refused_by_the_gpu_kernels():
+    """A GPU layer asking for Megatron's order gets a load error naming the option (no kernel has it there)."""
+    from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose
+    from mxfp8_learner_grid.common.options import GridOptions
+    spec = LayerSpec(prefix="model.layers.0.mlp.experts", kind="moe", device_type="cuda", act_dtype=torch.bfloat16,
+                     n=256, k=128, intermediate=128, num_experts=8, capability=(9, 0),
+                     options={"moe_router_weights": "activation"})
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts: no grid kernel.*moe_router_weights: activation"):
+        choose(spec)
+    cpu = choose(LayerSpec(**{**spec.__dict__, "device_type": "cpu", "capability": None}))
+    assert cpu.name == "torch" and cpu.on_activation and "activation" in cpu.describe()
+    assert GridOptions.from_dict({"moe_router_weights": "combine"}).raw["moe_router_weights"] == "combine"
+    with pytest.raises(ValueError, match="moe_router_weights"):
+        GridOptions.from_dict({"moe_router_weights": "input"})

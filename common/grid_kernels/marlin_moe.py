@@ -138,6 +138,10 @@ class MarlinMoE(GridKernel):
 
     @classmethod
     def can_implement(cls, spec):
+        from .portable import refuse_weights_on_activation
+        ok, why = refuse_weights_on_activation(spec, "Marlin")
+        if not ok:
+            return ok, why
         if spec.act_dtype != torch.bfloat16:
             return False, f"a {spec.act_dtype} model: Marlin writes bf16, and the output must be rounded to {spec.act_dtype}"
         i, h = spec.intermediate, spec.k

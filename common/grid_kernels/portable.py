@@ -77,15 +77,42 @@ class TritonLinear(GridKernel):
         return torch.ops.mxfp8_learner_grid.linear(x, layer.weight, layer.weight_scale_inv, bias)
 
 
+def weights_on_activation(spec: LayerSpec) -> bool:
+    """Option ``moe_router_weights: activation`` (Megatron's order, ``ops.moe_reference``)."""
+    return spec.options.get("moe_router_weights", "combine") == "activation"
+
+
+def refuse_weights_on_activation(spec: LayerSpec, kernel: str) -> tuple[bool, str]:
+    if weights_on_activation(spec):
+        return False, (f"moe_router_weights: activation (Megatron's order) is not implemented in the {kernel} MoE "
+                       "kernel; the torch kernel has it, on CPU")
+    return True, ""
+
+
 class TorchMoE(GridKernel):
     """The per-expert reference loop (the CPU path); nothing derived."""
 
     name = "torch"
     kind = "moe"
 
+    @classmethod
+    def can_implement(cls, spec):
+        if weights_on_activation(spec) and spec.device_type != "cpu":
+            return False, ("moe_router_weights: activation (Megatron's order) runs on CPU only for now (the GPU "
+                           "MoE kernels do not implement it, and the reference loop has not been measured on a GPU)")
+        return True, ""
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__(spec)
+        self.on_activation = weights_on_activation(spec)
+
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
         return torch.ops.mxfp8_learner_grid.moe(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
-                                                layer.w2_weight_scale_inv, topk_weights, topk_ids, expert_map)
+                                                layer.w2_weight_scale_inv, topk_weights, topk_ids, expert_map,
+                                                self.on_activation)
+
+    def describe(self):
+        return self.name + (" (router weights on the activation)" if self.on_activation else "")
 
 
 class TritonMoE(TorchMoE):
@@ -96,3 +123,7 @@ class TritonMoE(TorchMoE):
     @classmethod
     def is_supported(cls, spec):
         return triton_supported(spec)
+
+    @classmethod
+    def can_implement(cls, spec):
+        return refuse_weights_on_activation(spec, "Triton")

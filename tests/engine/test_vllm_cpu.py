@@ -48,11 +48,13 @@ def run_engine(spec: dict, expect_fail: bool = False):
     return json.loads(line[-1][len("RESULT "):])
 
 
-def learner_logprobs(path, seqs, grid=True, dtype=torch.float32):
-    from mxfp8_learner_grid.common.learner import apply_learner_grid
+def learner_logprobs(path, seqs, grid=True, dtype=torch.float32, moe_router_weights=None):
+    from mxfp8_learner_grid.common.learner import apply_learner_grid, set_moe_router_weights
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if grid:
         apply_learner_grid(m)
+    if moe_router_weights:
+        set_moe_router_weights(m, moe_router_weights)
     lps, arg = [], []
     with torch.no_grad():
         for ids in seqs:
@@ -215,3 +217,18 @@ def test_fp32_router_option(models):
     for name, (dtype, exact, bf16_valued, method) in plain.items():
         assert dtype == "torch.bfloat16" and bf16_valued and method != "GridRouterMethod", name
     assert fp32["gen_ids"] and len(fp32["gen_ids"][0]) == 2
+
+
+def test_router_weights_on_the_activation_megatron_learner(models):
+    """moe_router_weights: activation puts the engine on the grid of a Megatron-ordered learner (router
+    weights on SiLU*up before the down projection's quantization): float32 engine = that learner to
+    < 2e-3 nats, while the default engine is measurably off it (its down projection quantizes other values)."""
+    path = models["moe"]
+    opts = {"quantization_config_dict_json": json.dumps({"moe_router_weights": "activation"})}
+    meg = run_engine({"model": path, "quantization": GRID, "prompts": PROMPTS, "max_tokens": 2, "hf_overrides": opts})
+    default = run_engine({"model": path, "quantization": GRID, "prompts": PROMPTS, "max_tokens": 2})
+    learner, _ = learner_logprobs(path, PROMPTS, grid=True, moe_router_weights="activation")
+    on = absdiff(meg["prompt_lp"], learner)
+    off = absdiff(default["prompt_lp"], learner)
+    assert on.max() < 2e-3, on.max()
+    assert off.mean() > 10 * max(on.mean(), 1e-5), (off.mean(), on.mean())
