@@ -25,6 +25,8 @@ Options (all optional)::
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
     router_dtype: float32          # MoE router logits computed in FP32, as Megatron's moe_router_dtype=fp32
                                    # (common/router.py; default "model": the model dtype, as before)
+    moe_router_weights: activation # Megatron's MoE order: router weights on SiLU*up before the down
+                                   # projection (default "combine": on the experts' outputs); CPU kernel only
 
 A fused vLLM layer (``qkv_proj``, ``gate_up_proj``) is on the grid when its fused name or
 all of its Hugging Face shards (``q_proj``/``k_proj``/``v_proj``) are selected and none is
