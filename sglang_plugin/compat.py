@@ -108,6 +108,15 @@ def _server_arg(name: str):
         return None
 
 
+def server_args():
+    """The running server's ``ServerArgs`` (``runtime_context.get_server_args``), or None outside one."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except Exception:
+        return None
+
+
 def server_kv_cache_dtype():
     """``--kv-cache-dtype`` of the running server, or None outside one (layer tests)."""
     return _server_arg("kv_cache_dtype")

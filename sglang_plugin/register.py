@@ -8,8 +8,10 @@ SGLang's ``load_plugins()`` calls :func:`register` once per process that loads p
 * puts :class:`~.config.LearnerGridConfig` into ``QUANTIZATION_METHODS`` (and the AMX-CPU
   table) in place -- what ``ModelConfig._verify_quantization`` and
   ``get_quantization_config`` read;
-* registers the hooks of ``patches/sglang_qwen3_kv_scales.py`` with SGLang's
-  ``HookRegistry`` (``load_plugins()`` applies them right after the plugins ran);
+* registers the hooks of ``patches/sglang_qwen3_kv_scales.py`` and
+  ``patches/sglang_update_access.py`` (the bridge closed by default: no network without an API
+  key, no NCCL rendezvous outside ``MXFP8_GRID_NCCL_HOSTS``) with SGLang's ``HookRegistry``
+  (``load_plugins()`` applies them right after the plugins ran);
 
 is idempotent, and imports no CUDA.  **Failure stops the launch**: ``load_plugins()``
 catches ``Exception`` from a plugin and only logs it, so a broken registration would
@@ -60,8 +62,9 @@ def register() -> None:
             compat.add_quantization_method_choices([QUANT_METHOD])
         for registry in compat.quantization_registries():
             registry[QUANT_METHOD] = LearnerGridConfig
-        from mxfp8_learner_grid.patches import sglang_qwen3_kv_scales
+        from mxfp8_learner_grid.patches import sglang_qwen3_kv_scales, sglang_update_access
         sglang_qwen3_kv_scales.register(compat.SGLANG_VERSION)    # HookRegistry; applied by load_plugins()
+        sglang_update_access.register(compat.SGLANG_VERSION)
     except Exception as exc:
         msg = (f"mxfp8-learner-grid could not register its quantization method with SGLang {version}: "
                f"{type(exc).__name__}: {exc}. Fix the installation, or run SGLang without this plugin by "

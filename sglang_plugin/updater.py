@@ -42,6 +42,7 @@ import torch
 
 from mxfp8_learner_grid.common.sync.rank_service import RankService
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
+from mxfp8_learner_grid.common.sync.security import Refused
 
 from .sync_adapter import SGLangAdapter
 
@@ -136,6 +137,10 @@ class GridWorker(RankService):
         return {**self.state(), "sglang_weight_version": _sglang_weight_version()}
 
     def call(self, method: str, args: list, tensors: list):
+        from mxfp8_learner_grid.patches import sglang_update_access as access
+        from . import compat
+        if not access.covers(compat.SGLANG_VERSION):          # its access rules would not be in force
+            raise Refused(access.not_covered_message(compat.SGLANG_VERSION))
         if method not in METHODS:
             raise ValueError(f"{method!r} is not a grid method; known: {METHODS}")
         if method == "grid_update_load":
