@@ -235,6 +235,15 @@ def test_client_pushes_nccl_buckets_while_the_engine_receives():
     # a NaN tensor: received, then refused by the session; the engine keeps version 5's bytes
     rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=6)
     assert not rep.applied and "NaN" in (rep.error or "") and torch.equal(ad.m.weight.data, w) and ad.version == 5
+    # a replayed (older) update is refused before any write, naming both versions; the same version again
+    # (a verification pass, a retry) and newer ones go through
+    rep = client.update_weights({"weight": torch.randn(64, 96)}, format="bf16", version=4)
+    assert not rep.applied and "version 4 is older than the version this rank serves (5)" in (rep.error or ""), \
+        rep.summary()
+    assert torch.equal(ad.m.weight.data, w) and ad.version == 5
+    w7 = torch.randn(64, 96)
+    assert client.update_weights({"weight": w}, format="bf16", version=5).ok
+    assert client.update_weights({"weight": w7}, format="bf16", version=7).ok and ad.version == 7
 
 
 def test_sources_that_share_a_storage_keep_their_names():
@@ -333,3 +342,34 @@ def test_a_freed_source_does_not_claim_its_reused_memory():
     assert [w.source for w in rec.writes] == ["new"]
     dead = [x for lst in rec._sources.values() for x in lst if x.ref() is None]
     assert not dead or all(x.name == "old" for x in dead)
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ("[1, 2]", "a manifest is an object"),
+    ('{"version": 1, "format": "bf16", "tensors": [], "evil": 1}', "unknown keys ['evil']"),
+    ('{"version": "7", "format": "bf16"}', "version must be an integer"),
+    ('{"version": true, "format": "bf16"}', "version must be an integer"),
+    ('{"version": 100000000000000000000000000000000000000, "format": "bf16"}', "version must be an integer"),
+    ('{"version": -1, "format": "bf16"}', "version must be an integer"),
+    ('{"version": 1, "format": "fp4"}', "format must be one of"),
+    ('{"version": 1, "format": "bf16", "partial": "yes"}', "partial must be true or false"),
+    ('{"version": 1, "format": "bf16", "kv_scales": [1]}', "kv_scales must be an object"),
+    ('{"version": 1, "format": "bf16", "tensors": {"a": 1}}', "tensors must be a list"),
+    ('{"version": 1, "format": "bf16", "tensors": [{"name": "w"}]}', "tensor #0 must be an object"),
+    ('{"version": 1, "format": "bf16", "tensors": [{"name": 3, "shape": [2], "dtype": "torch.bfloat16"}]}',
+     "tensor #0: name must be"),
+    ('{"version": 1, "format": "bf16", "tensors": [{"name": "w", "shape": [1000000000000000], "dtype": "torch.bfloat16"}]}',
+     "'w': shape must be"),
+    ('{"version": 1, "format": "bf16", "tensors": [{"name": "w", "shape": [2.5], "dtype": "torch.bfloat16"}]}',
+     "'w': shape must be"),
+    ('{"version": 1, "format": "bf16", "tensors": [{"name": "w", "shape": [2], "dtype": 5}]}', "'w': dtype must be"),
+])
+def test_malformed_manifests_are_refused_naming_the_field(payload, needle):
+    """Untrusted manifests (HTTP, SGLang's bridge): wrong types, huge numbers, unknown keys -- a
+    ValueError naming the field or tensor, cut short, never a TypeError from deep inside."""
+    from mxfp8_learner_grid.common.sync.manifest import Manifest
+    with pytest.raises(ValueError) as e:
+        Manifest.from_json(payload)
+    assert needle in str(e.value) and len(str(e.value)) < 300, str(e.value)
+    m = Manifest.of({"w": torch.zeros(2, 3)}, 4, "bf16", partial=True, kv_scales={"0": [0.1, 0.2]})
+    assert Manifest.from_json(m.to_json()) == m

@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from mxfp8_learner_grid.common.sync.rank_service import checked
+from mxfp8_learner_grid.common.sync.manifest import Manifest
 from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
@@ -178,9 +179,13 @@ class GridUpdateMiddleware:
                 raise HTTPError(403, str(exc)) from None
         if method in ("grid_update_begin",):
             try:
-                json.loads(args[0])
+                manifest = json.loads(args[0]) if args else None
             except Exception as exc:
                 raise HTTPError(400, f"manifest is not JSON: {exc}") from None
+            try:
+                Manifest.from_dict(manifest)
+            except ValueError as exc:
+                raise HTTPError(400, str(exc)) from None
         # a begin that a rank refused raises here: 422, its problems by condition in the body
         results = checked(method, await client.collective_rpc(method, args=tuple(args)))
         if method == "grid_update_commit" and results and all(r.get("applied") for r in results):
@@ -238,7 +243,7 @@ class GridUpdateMiddleware:
             return {}
         try:
             return json.loads(raw)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:     # bytes that are not UTF-8/16/32: not JSON
             raise HTTPError(400, f"body is not JSON: {exc}") from None
 
     async def _reply(self, send, status: int, obj) -> None:

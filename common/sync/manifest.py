@@ -22,6 +22,15 @@ from ..selection import ModuleSelection
 from ..wire import SCALE_SUFFIX, WEIGHT_SUFFIX
 
 FORMATS = ("bf16", "mxfp8")
+MANIFEST_KEYS = ("version", "format", "tensors", "partial", "kv_scales")
+MAX_VERSION = 2 ** 63          # versions are int64 on the wire (vLLM's header, SGLang's weight_version)
+MAX_DIMS, MAX_DIM = 8, 2 ** 40
+
+
+def _short(v) -> str:
+    """repr of untrusted input, cut short (a hostile payload must not flood the error)."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)}
 
 
@@ -59,9 +68,45 @@ class Manifest:
 
     @classmethod
     def from_json(cls, s: str) -> "Manifest":
-        d = json.loads(s)
-        d["tensors"] = [TensorSpec(**t) for t in d.get("tensors", [])]
-        return cls(**d)
+        """Parse a manifest a trainer sent; a malformed one raises ``ValueError`` naming the field (or
+        the tensor) -- untrusted input (HTTP, SGLang's bridge), checked before any rank reads it."""
+        return cls.from_dict(json.loads(s))
+
+    @classmethod
+    def from_dict(cls, d) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ValueError(f"a manifest is an object {{{', '.join(MANIFEST_KEYS)}}}; got {type(d).__name__}")
+        unknown = set(d) - set(MANIFEST_KEYS)
+        if unknown:
+            raise ValueError(f"manifest: unknown keys {sorted(map(str, unknown))[:8]}")
+        version = d.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < MAX_VERSION:
+            raise ValueError(f"manifest: version must be an integer in [0, 2^63); got {_short(version)}")
+        if d.get("format") not in FORMATS:
+            raise ValueError(f"manifest: format must be one of {FORMATS}; got {_short(d.get('format'))}")
+        partial, kv = d.get("partial", False), d.get("kv_scales")
+        if not isinstance(partial, bool):
+            raise ValueError(f"manifest: partial must be true or false; got {_short(partial)}")
+        if kv is not None and not isinstance(kv, dict):
+            raise ValueError(f"manifest: kv_scales must be an object {{layer: [k_scale, v_scale]}}; got {_short(kv)}")
+        tensors = d.get("tensors", [])
+        if not isinstance(tensors, list):
+            raise ValueError(f"manifest: tensors must be a list; got {_short(tensors)}")
+        specs = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, dict) or set(t) != {"name", "shape", "dtype"}:
+                raise ValueError(f"manifest: tensor #{i} must be an object {{name, shape, dtype}}; got {_short(t)}")
+            name, shape, dtype = t["name"], t["shape"], t["dtype"]
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"manifest: tensor #{i}: name must be a non-empty string; got {_short(name)}")
+            if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_DIM for x in shape)):
+                raise ValueError(f"manifest: {_short(name)}: shape must be a list of at most {MAX_DIMS} integers in "
+                                 f"[0, 2^40); got {_short(shape)}")
+            if not isinstance(dtype, str):
+                raise ValueError(f"manifest: {_short(name)}: dtype must be a string; got {_short(dtype)}")
+            specs.append(TensorSpec(name, shape, dtype))
+        return cls(version, d["format"], specs, partial, kv)
 
 
 def checkpoint_signature(hf_config, selection: ModuleSelection) -> dict[str, tuple[tuple[int, ...], bool]]:

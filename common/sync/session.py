@@ -108,6 +108,11 @@ class UpdateSession:
         self.backup, self.digest, self.fraction, self.seed = backup, digest, fraction, seed
         sig, plain_dtypes, extra = adapter.signature()
         by_condition = validate_by_condition(manifest, sig, plain_dtypes, extra)
+        served = int(getattr(adapter, "version", 0) or 0)
+        if manifest.version < served:       # a replayed or stale update (an older trainer's push)
+            by_condition.setdefault("atomic_versioning", []).append(
+                f"version {manifest.version} is older than the version this rank serves ({served}): a replayed or "
+                "stale update; versions only move forward")
         if by_condition:
             problems = flatten(by_condition)
             raise UpdateRejected("update rejected before any write: " + "; ".join(problems[:12])

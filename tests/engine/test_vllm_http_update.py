@@ -99,11 +99,33 @@ def test_update_over_http(server):
      400, "bucket path must be inside"),
     ("/grid/rpc", {"method": "grid_update_begin", "args": ["{not json"]}, None, 400, "manifest is not JSON"),
     ("/grid/nope", {}, None, 404, "no route"),
+    # fuzzed payloads (issue #16): wrong types, huge numbers, path traversal -- each a 4xx naming the problem
+    ("/grid/rpc", [1, 2], None, 400, "body must be"),
+    ("/grid/rpc", b"\xff\xfe{", None, 400, "body is not JSON"),
+    ("/grid/rpc", {"method": 5}, None, 400, "not a grid update method"),
+    ("/grid/rpc", {"method": "grid_state", "args": "grid_state"}, None, 400, "list of strings"),
+    ("/grid/rpc", {"method": "grid_update_load", "args": ['{"kind": "safetensors", "path": "/dev/shm/../../etc/passwd"}']},
+     None, 400, "bucket path must be inside"),
+    ("/grid/rpc", {"method": "grid_update_load", "args": ['{"kind": "nccl", "tensors": [["w", "torch.bfloat16", 7]]}']},
+     None, 400, "an nccl bucket source is"),
+    ("/grid/rpc", {"method": "grid_update_begin", "args": ["[]"]}, None, 400, "a manifest is an object"),
+    ("/grid/rpc", {"method": "grid_update_begin", "args": ['{"version": 1e400, "format": "bf16"}']}, None, 400,
+     "version must be an integer"),
+    ("/grid/rpc", {"method": "grid_update_begin", "args": [
+        '{"version": 5, "format": "bf16", "partial": true, "tensors": [{"name": "model.norm.weight", '
+        '"shape": [99999999999999999999], "dtype": "torch.bfloat16"}]}']}, None, 400, "shape must be"),
+    ("/grid/rpc", {"method": "grid_update_begin", "args": [
+        '{"version": 5, "format": "bf16", "partial": true, "tensors": [{"name": "model.norm.weight", '
+        '"shape": [7], "dtype": "torch.bfloat16"}]}']}, None, 422, "model.norm.weight"),
 ])
 def test_bad_requests_get_4xx(server, path, body, headers, status, needle):
     h = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
-    r = requests.post(server["url"] + path, json=body, headers=h, timeout=60)
+    if isinstance(body, bytes):
+        r = requests.post(server["url"] + path, data=body, headers=h, timeout=60)
+    else:
+        r = requests.post(server["url"] + path, json=body, headers=h, timeout=60)
     assert r.status_code == status and needle in r.text, (r.status_code, r.text)
+    assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
 
 
 def test_unknown_tensor_is_rejected_before_any_write(server):
