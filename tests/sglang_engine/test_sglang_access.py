@@ -8,8 +8,13 @@ import types
 
 import pytest
 
-from mxfp8_learner_grid.common.sync.security import NCCL_HOSTS_ENV, Refused
-from mxfp8_learner_grid.patches import sglang_update_access as access
+from sgl_env import sglang_installed  # noqa: E402
+
+if not sglang_installed():
+    pytest.skip("SGLang is not installed (tests/sglang_engine run in .venv-sglang)", allow_module_level=True)
+
+from mxfp8_learner_grid.common.sync.security import NCCL_HOSTS_ENV, Refused  # noqa: E402
+from mxfp8_learner_grid.patches import sglang_update_access as access  # noqa: E402
 
 
 def _updater(bridge=True):
