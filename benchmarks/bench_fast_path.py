@@ -11,11 +11,13 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_triton   the previous grid path (quantize + Triton grid GEMM)
   grid_w8a16    ours: qdq(x) + the swapped W8A16 Triton GEMM (kernels/w8a16_triton, its default config)
   grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
+  grid_gemv     ours with option gemv_rows (M <= 64): x quantized to codes + scales + the decode GEMV (kernels/gemv_triton)
 
 ``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
 stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
 [lo, hi) where grid_w8a16 beats grid_marlin on the summed time of the shapes run (the
-``w8a16_rows`` option for an end-to-end run).
+``w8a16_rows`` option for an end-to-end run); ``--gemv-out F`` writes ``{"gemv_rows": R}``, R the
+largest M such that grid_gemv beats grid_marlin (summed over the shapes) at every measured M <= R.
 
 Timing: every arm captured in a CUDA graph over enough distinct weight copies that the weights
 cannot stay in the 50 MB L2 (as in a model, where each layer reads its own weights), replayed
@@ -54,7 +56,7 @@ def commit():
         return "?"
 
 
-def make_layer(n, k, seed, crossover, band=None, copy_rows=0):
+def make_layer(n, k, seed, crossover, band=None, copy_rows=0, gemv_rows=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     wq, ws = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     layer = torch.nn.Module()
@@ -63,7 +65,8 @@ def make_layer(n, k, seed, crossover, band=None, copy_rows=0):
     spec = LayerSpec(prefix="b", kind="linear", device_type="cuda", act_dtype=torch.bfloat16, n=n, k=k,
                      capability=torch.cuda.get_device_capability(), options={"prefill_crossover": crossover,
                                                                    "w8a16_rows": band or [],
-                                                                   "bf16_weight_rows": copy_rows})
+                                                                   "bf16_weight_rows": copy_rows,
+                                                                   "gemv_rows": gemv_rows})
     layer.grid_kernel = choose(spec)
     layer.grid_kernel.process_weights_after_loading(layer)
     return layer
@@ -89,6 +92,7 @@ def main():
     ap.add_argument("--w8a16-sweep", action="store_true")
     ap.add_argument("--sweep-ms", default="16,32,64,128", help="the M values the sweep runs at")
     ap.add_argument("--band-out", default="")
+    ap.add_argument("--gemv-out", default="")
     args = ap.parse_args()
     from mxfp8_learner_grid.vllm_plugin import compat
     compat.register_kernel_providers()
@@ -109,6 +113,7 @@ def main():
         lay_c = [make_layer(n, k, 100 + i, 1) for i in range(copies)]        # always dequant + cuBLAS
         lay_w = [make_layer(n, k, 200 + i, 1 << 30, [1, 1 << 30]) for i in range(copies)]   # always W8A16
         lay_b = [make_layer(n, k, 300 + i, 1 << 30, copy_rows=1) for i in range(copies)]    # always the bf16 copy
+        lay_g = [make_layer(n, k, 400 + i, 1 << 30, gemv_rows=64) for i in range(copies)]   # the GEMV (M <= 64)
         wb = [dequantize_blocks(l.weight, l.weight_scale_inv).to(torch.bfloat16) for l in lay_m]
         w8 = [l.weight for l in lay_m]
         wcol = [torch.full((1, n), 2.0 ** -7, device="cuda") for _ in lay_m]
@@ -118,7 +123,10 @@ def main():
             # exactness gate for the grid arms
             failed = set()
             for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w),
-                               ("grid_bf16copy", lay_b)):
+                               ("grid_bf16copy", lay_b), ("grid_gemv", lay_g)):
+                if name == "grid_gemv" and m > 64:
+                    failed.add(name)
+                    continue
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
                        @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
@@ -148,6 +156,7 @@ def main():
                                                       l.weight_scale_inv, None, torch.bfloat16) for l in lay_m],
                 "grid_w8a16": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_w],
                 "grid_bf16copy": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_b],
+                "grid_gemv": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_g],
             }
             if args.arms:
                 keep = set(args.arms.split(",")) | {"bf16"}
@@ -181,13 +190,13 @@ def main():
             best[m] = us
             times = " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
             ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16",
-                                                                         "grid_bf16copy")
+                                                                         "grid_bf16copy", "grid_gemv")
                               if us.get(a))
             print(f"{sname:11s} M={m:5d} {times}  | {ratios}", flush=True)
         cross = [m for m, u in best.items()
                  if u.get("grid_cublas") and u.get("grid_marlin") and u["grid_cublas"] < u["grid_marlin"]]
         print(f"{sname}: dequant+cuBLAS faster than Marlin from M = {min(cross) if cross else 'never'}", flush=True)
-        del lay_m, lay_c, lay_w, lay_b, wb
+        del lay_m, lay_c, lay_w, lay_b, lay_g, wb
         torch.cuda.empty_cache()
     ms = sorted({m for m, _ in total})
     wins = [m for m in ms if total.get((m, "grid_w8a16"), 1e30) < total.get((m, "grid_marlin"), 0.0)]
@@ -206,12 +215,21 @@ def main():
         band = [r[0], r[-1] + 1]
     print("summed over shapes, us: " + "; ".join(
         f"M={m}: marlin {total.get((m, 'grid_marlin'), 0):.1f} w8a16 {total.get((m, 'grid_w8a16'), 0):.1f} "
-        f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} "
+        f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} gemv {total.get((m, 'grid_gemv'), 0):.1f} "
         f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
     print(f"W8A16_BAND {json.dumps(band)}", flush=True)
     if args.band_out:
         with open(args.band_out, "w") as f:
             json.dump({"w8a16_rows": band}, f)
+    gemv_rows = 0
+    for m in ms:         # the measured prefix of M where the GEMV wins
+        if m > 64 or not total.get((m, "grid_gemv")) or total[(m, "grid_gemv")] >= total.get((m, "grid_marlin"), 0.0):
+            break
+        gemv_rows = m
+    print(f"GEMV_ROWS {gemv_rows}", flush=True)
+    if args.gemv_out:
+        with open(args.gemv_out, "w") as f:
+            json.dump({"gemv_rows": gemv_rows}, f)
 
 
 def sweep_configs(m, n, k, sms, default):

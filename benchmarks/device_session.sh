@@ -15,6 +15,8 @@
 #   bash benchmarks/device_session.sh w8a16          # fast-path GPU tests + kernel benchmark with the W8A16 sweep;
 #        writes $OUT/band.json (the rows where W8A16 beats Marlin) for `e2e ... grid+ ... $OUT/band.json`
 #   bash benchmarks/device_session.sh fasttests       # tests/gpu/test_fast_path.py only
+#   bash benchmarks/device_session.sh gemv            # all GPU tests + kernel benchmark: the decode GEMV (option gemv_rows)
+#        vs Marlin vs W8A16, M 1 ... 64; writes $OUT/gemv.json and /tmp/gemv.json for `e2e ... grid+ ... /tmp/gemv.json`
 #   bash benchmarks/device_session.sh bf16copy        # fast-path GPU tests + kernel benchmark: Marlin vs the resident
 #        bf16 copy (option bf16_weight_rows) vs dequantize + cuBLAS, 8B projections, M 1 ... 256
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
@@ -102,6 +104,14 @@ case "${1:-kernels}" in
       --w8a16-sweep --sweep-ms "${SWEEP_MS:-16,64}" --band-out "$OUT/band.json" 2>&1 \
       | tee "$OUT/bench_fast_path.log" | grep -E "M=|W8A16_BAND|summed|Error" | grep -v " w8a16:" | tail -60
     cp "$OUT/band.json" /tmp/band.json 2>/dev/null || true      # $OUT is new in every call: the e2e call reads /tmp
+    ;;
+  gemv)   # option gemv_rows: every GPU test (kernels changed), then where the decode GEMV beats Marlin / W8A16
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" \
+      --shapes "${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down,30b.qkv,30b.o}" --ms "${MS:-1,2,4,8,16,32,48,64}" \
+      --arms bf16,grid_marlin,grid_w8a16,grid_gemv,marlin_w8a16 --gemv-out "$OUT/gemv.json" 2>&1 \
+      | tee "$OUT/bench_fast_path.log" | grep -E "M=|GEMV_ROWS|summed|Error|NOT TIMED" | tail -60
+    cp "$OUT/gemv.json" /tmp/gemv.json 2>/dev/null || true
     ;;
   moe)
     python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -12

@@ -8,6 +8,7 @@ Keys (all optional)::
     emulate: fp8_per_tensor | fp8_block128                      # vLLM, consistency study only
     kernel: auto | marlin | w8a16 | triton | torch              # force one kernel (common.grid_kernels)
     prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
+    gemv_rows: 16                                               # rows 1 ... R: the decode GEMV (off: 0; at most 64)
     w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)
@@ -35,7 +36,7 @@ from .wire import QUANT_METHOD
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                        "router_dtype", "moe_router_weights"})
+                        "router_dtype", "moe_router_weights", "gemv_rows"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -65,6 +66,10 @@ class GridOptions:
         rows = self.raw.get("bf16_weight_rows", 0)
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")
+        gemv = self.raw.get("gemv_rows", 0)
+        from .grid_kernels.marlin import GEMV_MAX_ROWS
+        if isinstance(gemv, bool) or not isinstance(gemv, int) or not 0 <= gemv <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_rows must be an integer in 0 ... {GEMV_MAX_ROWS} (rows; 0: off); got {gemv!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:

@@ -50,6 +50,14 @@ def _dense_key(name: str) -> str:
     return name[:-len(".routed_experts")] if name.endswith(".routed_experts") else name   # vLLM 0.32's MoE runner
 
 
+def _router_hook(cap: dict, name: str):
+    """A forward hook recording a router's logits (engine and learner alike)."""
+    def post(mod, args, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        cap.setdefault(name, []).append(logits.detach().float().cpu())
+    return post
+
+
 def _install(model, cap: dict) -> int:
     """Forward hooks on every on-grid layer (input) and every MoE router (logits)."""
     from mxfp8_learner_grid.common.router import is_router
@@ -65,10 +73,7 @@ def _install(model, cap: dict) -> int:
             kern.apply = apply
             n += 1
         elif is_router(name) and hasattr(m, "weight"):
-            def post(mod, args, out, _name=name):
-                logits = out[0] if isinstance(out, tuple) else out
-                cap.setdefault(_name, []).append(logits.detach().float().cpu())
-            m.register_forward_hook(post)
+            m.register_forward_hook(_router_hook(cap, name))
     return n
 
 
@@ -112,10 +117,7 @@ def run_learner(model: str, seqs: list, dtype, router: str, device) -> list:
                 cap.setdefault(_name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())
             mod.register_forward_pre_hook(pre)
         elif is_router(name) and hasattr(mod, "weight"):
-            def post(mod_, args, out, _name=name):
-                logits = out[0] if isinstance(out, tuple) else out
-                cap.setdefault(_name, []).append(logits.detach().float().cpu())
-            mod.register_forward_hook(post)
+            mod.register_forward_hook(_router_hook(cap, name))
     per_seq = []
     with torch.no_grad():
         for s in seqs:

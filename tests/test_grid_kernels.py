@@ -308,3 +308,58 @@ def test_bf16_weight_rows_option():
     for bad in (-1, True, "48", 4.5):
         with pytest.raises(ValueError, match="bf16_weight_rows"):
             GridOptions.from_dict({"bf16_weight_rows": bad})
+
+
+GEMV_BAND = textwrap.dedent("""
+    import torch
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common.grid_kernels import LayerSpec
+    from mxfp8_learner_grid.common.grid_kernels.w8a16 import W8A16Linear
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 256
+    wq, ws = quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    lay = torch.nn.Module()
+    lay.weight = torch.nn.Parameter(wq, requires_grad=False)
+    lay.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
+    spec = LayerSpec(prefix="t", kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=n, k=k,
+                     options={"gemv_rows": 4})
+    kern = W8A16Linear(spec)          # the interpreter stands in for the GPU: construct, not choose
+    kern.process_weights_after_loading(lay)
+    assert kern.gemv_rows == 4 and "gemv (M <= 4)" in kern.describe() and kern.derived_names(lay) == ()
+    w = dequantize_blocks(lay.weight, lay.weight_scale_inv)
+    calls = []
+    import mxfp8_learner_grid.common.kernels.gemv_triton as GV
+    real = GV.grid_gemv
+    GV.grid_gemv = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    for m in (1, 4, 5):               # 1 and 4: the GEMV; 5: the W8A16 GEMM
+        x = torch.randn(m, k, generator=g, dtype=torch.bfloat16) * 3
+        a = dequantize_blocks(*quantize_rows(x))
+        exact = (a.double() @ w.double().t()).float().to(torch.bfloat16)
+        y = kern.apply(lay, x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        same = (y.view(torch.int16) == exact.view(torch.int16)).float().mean()
+        assert same >= 0.99, (m, float(same))
+    assert calls == [1, 4], calls
+    xq, xs = quantize_rows(torch.randn(2, k, generator=g, dtype=torch.bfloat16))
+    wrong = real(xq, (xs.to(torch.int16) + 1).to(torch.uint8), lay.weight, lay.weight_scale_inv, None,
+                 torch.bfloat16, config="auto")
+    right = real(xq, xs, lay.weight, lay.weight_scale_inv, None, torch.bfloat16, config="auto")
+    assert not torch.equal(wrong, right)      # the check above can fail: scales one power of two off
+    print("OK")
+""")
+
+
+def test_gemv_band_under_the_interpreter():
+    """gemv_rows: rows 1 ... R take the decode GEMV (x quantized to codes + scales), the exact sum rounded
+    once; more rows take the kernel's own GEMM."""
+    pytest.importorskip("triton")
+    run_ok(GEMV_BAND)
+
+
+def test_gemv_rows_option():
+    from mxfp8_learner_grid.common.options import GridOptions
+    assert GridOptions.from_dict({"gemv_rows": 16}).raw["gemv_rows"] == 16
+    GridOptions.from_dict({"gemv_rows": 0})
+    for bad in (-1, True, "16", 65, 4.5):
+        with pytest.raises(ValueError, match="gemv_rows"):
+            GridOptions.from_dict({"gemv_rows": bad})

@@ -11,8 +11,8 @@ import torch
 from .base import GridKernel, LayerSpec
 
 #: options a layer's kernel reads from quantization_config (see common/options.py)
-KERNEL_OPTION_KEYS = ("kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                      "moe_router_weights")
+KERNEL_OPTION_KEYS = ("kernel", "prefill_crossover", "gemv_rows", "w8a16_rows", "bf16_weight_rows",
+                      "cpu_weight_cache", "moe_router_weights")
 #: load-time override of ``cpu_weight_cache`` (0: no fp32 copy of W on CPU; saves memory)
 CPU_CACHE_ENV = "MXFP8_GRID_CPU_CACHE"
 

@@ -7,9 +7,13 @@ same kind of number.  Products of two such bf16 values are exact in FP32, and th
 below sum them in FP32 and round once to bf16: the learner's grid forward, up to FP32
 summation order -- the tolerance TE's own GEMMs have.
 
-Three GEMMs, chosen per call by the number of rows M (options ``w8a16_rows`` and
-``prefill_crossover``):
+The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a16_rows``,
+``prefill_crossover`` and ``bf16_weight_rows``):
 
+* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales and the project's
+  split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
+  the per-32 scales applied to each chunk's FP32 partial sum, deterministic in-launch split-K
+  reduction) -- :func:`gemv_band`;
 * M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
   engine-provided, ``providers.get("marlin")``), with FP32 global reduction and no atomics;
 * lo <= M < hi for ``w8a16_rows: [lo, hi]`` (off by default): the project's swapped W8A16 Triton
@@ -69,6 +73,24 @@ def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     q = w.contiguous().view(torch.int32).t().contiguous()        # [K/4, N], 4 codes per int32 along K
     return ops.repack(q, k, n)
+
+
+#: the largest M the decode GEMV is built for (``kernels/gemv_triton``: BLOCK_M 16 ... 64)
+GEMV_MAX_ROWS = 64
+
+
+def gemv_band(spec: LayerSpec) -> int:
+    """Option ``gemv_rows: R``: rows 1 ... R go to the decode GEMV (0: off)."""
+    return int(spec.options.get("gemv_rows", 0) or 0)
+
+
+def grid_gemv_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x2 (bf16 rows) on the grid by the decode GEMV: x quantized TE-exactly (codes + E8M0 scales, one
+    Triton pass), then ``grid_gemv`` on the layer's own fp8 codes and scales, bf16 out."""
+    from ..kernels.gemv_triton import grid_gemv
+    from ..kernels.quantize_triton import quantize_rows_triton
+    xq, xs = quantize_rows_triton(x2)
+    return grid_gemv(xq, xs, weight, weight_scale_inv, None, torch.bfloat16, config="auto")   # no env read per call
 
 
 def cublas_fp32_reduction(x_grid: torch.Tensor, w_grid: torch.Tensor) -> torch.Tensor:
@@ -137,16 +159,18 @@ class Bf16WeightCopy:
 def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
                   weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int,
                   w8a16_lo: int = 0, w8a16_hi: int = 0, w_bf16: Optional[torch.Tensor] = None,
-                  bf16_rows: int = 0) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): qdq(x), then cuBLAS on the resident bf16 copy ``w_bf16``
-    (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover), the W8A16 Triton GEMM
-    (w8a16_lo <= M < w8a16_hi) or Marlin."""
+                  bf16_rows: int = 0, gemv_rows: int = 0) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
+    the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover),
+    the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi) or Marlin."""
     from ..kernels.qdq_triton import qdq_rows
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
+    if m <= gemv_rows:
+        return grid_gemv_linear(x2, weight, weight_scale_inv).reshape(*x.shape[:-1], n)
     a = qdq_rows(x2, torch.bfloat16)
     if w_bf16 is not None and m >= bf16_rows:
         y = cublas_fp32_reduction(a, w_bf16)
@@ -162,7 +186,7 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
 
 @linear_marlin.register_fake
 def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0, w_bf16=None,
-      bf16_rows=0):
+      bf16_rows=0, gemv_rows=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -199,6 +223,7 @@ class MarlinLinear(GridKernel):
         from ..kernels.w8a16_triton import w8a16_shape_ok
         self.w8a16 = (int(lo), int(hi)) if w8a16_shape_ok(spec.k) else (0, 0)
         self.bf16_copy = Bf16WeightCopy(spec)
+        self.gemv_rows = gemv_band(spec)
 
     def derived_names(self, layer):
         return ("grid_marlin_weight", "grid_marlin_scale") + self.bf16_copy.names()
@@ -231,12 +256,14 @@ class MarlinLinear(GridKernel):
         return torch.ops.mxfp8_learner_grid.linear_marlin(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
                                                            layer.grid_marlin_workspace, layer.weight,
                                                            layer.weight_scale_inv, self.crossover, *self.w8a16,
-                                                           self.bf16_copy.tensor(layer), self.bf16_copy.rows)
+                                                           self.bf16_copy.tensor(layer), self.bf16_copy.rows,
+                                                           self.gemv_rows)
 
     def describe(self):
         lo, hi = self.w8a16
         band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
-        return (f"marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
+        gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
+        return (f"{gemv}marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
                 f"{self.bf16_copy.describe()}")
 
 

@@ -1,6 +1,7 @@
 """The dense grid Linear with nothing from an engine and nothing derived: activation qdq, then the
 project's swapped W8A16 Triton GEMM (``kernels/w8a16_triton``) below ``prefill_crossover`` rows and
-W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``).
+W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``); with the option
+``gemv_rows: R``, rows 1 ... R go to the decode GEMV (``marlin.grid_gemv_linear``).
 
 It reads the layer's own fp8 codes and E8M0 scales, so a weight update needs no repack and the
 ``derived_state`` check has nothing to rebuild for it -- unless the option ``bf16_weight_rows``
@@ -18,20 +19,24 @@ import torch
 
 from .base import GridKernel, bf16_output_no_bias
 from .marlin import DEFAULT_PREFILL_CROSSOVER, Bf16WeightCopy, check_bf16_exact_weights, cublas_fp32_reduction, \
-    dequant_cublas
+    dequant_cublas, gemv_band, grid_gemv_linear
 
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
 def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                 crossover: int, w_bf16: Optional[torch.Tensor] = None, bf16_rows: int = 0) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): qdq(x), then cuBLAS on the resident bf16 copy ``w_bf16``
-    (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover) or W8A16."""
+                 crossover: int, w_bf16: Optional[torch.Tensor] = None, bf16_rows: int = 0,
+                 gemv_rows: int = 0) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
+    the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover)
+    or W8A16."""
     from ..kernels.qdq_triton import qdq_rows
     from ..kernels.w8a16_triton import w8a16_gemm
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
+    if x2.shape[0] <= gemv_rows:
+        return grid_gemv_linear(x2, weight, weight_scale_inv).reshape(*x.shape[:-1], n)
     a = qdq_rows(x2, torch.bfloat16)
     if w_bf16 is not None and x2.shape[0] >= bf16_rows:
         y = cublas_fp32_reduction(a, w_bf16)
@@ -43,7 +48,7 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
 
 
 @linear_w8a16.register_fake
-def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0):
+def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0, gemv_rows=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -70,6 +75,7 @@ class W8A16Linear(GridKernel):
         super().__init__(spec)
         self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
         self.bf16_copy = Bf16WeightCopy(spec)
+        self.gemv_rows = gemv_band(spec)
 
     def derived_names(self, layer):
         return self.bf16_copy.names()
@@ -86,8 +92,10 @@ class W8A16Linear(GridKernel):
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear_w8a16(x, layer.weight, layer.weight_scale_inv, self.crossover,
-                                                          self.bf16_copy.tensor(layer), self.bf16_copy.rows)
+                                                          self.bf16_copy.tensor(layer), self.bf16_copy.rows,
+                                                          self.gemv_rows)
 
     def describe(self):
-        return (f"w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
+        gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
+        return (f"{gemv}w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
                 f"{self.bf16_copy.describe()}")

@@ -187,10 +187,32 @@ def test_bf16_weight_copy_exact(kernel, n, k, m):
     assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
 
 
-@pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND}), (64, {"bf16_weight_rows": 48})])
+@pytest.mark.parametrize("kernel", ["marlin", "w8a16"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096), (2048, 4096), (5120, 2048)])
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 33, 64])
+def test_gemv_band_exact(kernel, n, k, m):
+    """Option gemv_rows: rows 1 ... 64 take the decode GEMV on x's TE-exact codes and scales -- the exact
+    sum rounded once, up to FP32 order; deterministic (in-launch split-K without atomics on values)."""
+    layer = grid_layer(n, k, seed=m + 7 * n + k)
+    kern = setup_kernel(layer, kernel=kernel, gemv_rows=64)
+    assert kern.gemv_rows == 64
+    w = dequantize_blocks(layer.weight, layer.weight_scale_inv)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = kern.apply(layer, x)
+    check_fp32_accumulation(y, x_grid(x), w)
+    assert torch.equal(kern.apply(layer, x), y)
+    # negative control: the GEMV on x's codes with the scales one power of two off is not the grid
+    from mxfp8_learner_grid.common.kernels.gemv_triton import grid_gemv
+    xq, xs = quantize_rows(x)
+    raw = grid_gemv(xq, xs + 1, layer.weight, layer.weight_scale_inv, None, torch.bfloat16, config="auto")
+    assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
+
+
+@pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND}), (64, {"bf16_weight_rows": 48}),
+                                    (8, {"gemv_rows": 16})])
 def test_refresh_in_place_under_cuda_graph(m, opts):
     """A graph captured before an in-place update replays the new weights (Marlin; the W8A16 band;
-    the resident bf16 copy)."""
+    the resident bf16 copy; the decode GEMV, which reads the parameters themselves)."""
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=1)
     kern = setup_kernel(layer, **opts)
