@@ -9,7 +9,7 @@
 #   bash benchmarks/device_session.sh qdqfusion       # torch.compile-fused qdq vs the Triton qdq after RMSNorm / SiLU*up
 #   bash benchmarks/device_session.sh linear          # new kernel tests + linear benchmark + plot
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
-#   bash benchmarks/device_session.sh layers          # per-layer exactness inside served models (needs vLLM)
+#   bash benchmarks/device_session.sh layers [GRID_OPTIONS_JSON]   # per-layer exactness inside served models (needs vLLM)
 #   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
 #        (arms: bf16, grid = defaults, grid+ = with GRID_OPTIONS -- a JSON string or a file holding one; REPS=3)
 #   bash benchmarks/device_session.sh w8a16          # fast-path GPU tests + kernel benchmark with the W8A16 sweep;
@@ -85,7 +85,7 @@ case "${1:-kernels}" in
   layers) # per-layer exactness inside a served model (dense 8B shape, MoE 30B shape)
     for s in qwen3-8b qwen3-30b-a3b; do
       VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=tests/gpu:$PYTHONPATH timeout 280 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
-        --out "$OUT/layers-$s.json" 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
+        --out "$OUT/layers-$s.json" ${2:+--grid-options "$2"} 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
     done
     ;;
   bf16copy)   # option bf16_weight_rows: exactness (with every fast-path test), then where the copy beats Marlin

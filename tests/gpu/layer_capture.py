@@ -188,6 +188,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=1100)
     ap.add_argument("--out", default="layers.json")
+    ap.add_argument("--grid-options", default="", help="plugin options (JSON), e.g. '{\"gemv_rows\": 16}'")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", "..", "benchmarks"))
@@ -195,7 +196,8 @@ def main():
     from vllm import LLM, SamplingParams
     d = make_model_dir(args.shape, args.layers)
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", quantization="mxfp8-learner-grid",
-              enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=4)
+              enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=4,
+              hf_overrides={"quantization_config_dict_json": args.grid_options} if args.grid_options else None)
     import layer_capture
     n = llm.apply_model(layer_capture.install)[0]
     g = torch.Generator().manual_seed(0)
@@ -205,7 +207,7 @@ def main():
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)            # above the crossover: cuBLAS
     data = llm.apply_model(layer_capture.collect)[0]
     rows = check(data)
-    summary, ok = summarize(rows, shape=args.shape, wrapped_layers=n)
+    summary, ok = summarize(rows, shape=args.shape, wrapped_layers=n, options=args.grid_options or "{}")
     print("SUMMARY " + json.dumps(summary), flush=True)
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
