@@ -7,6 +7,12 @@ Arms, each the whole expert computation as the engine calls it (router outside, 
   bf16        vLLM's ``fused_experts`` (Triton, BF16 weights) -- the baseline of every ratio
   grid        ours: qdq(x) + Marlin MoE + the Triton glue (kernels/moe_triton.py)
   grid_torch  ours with the glue as torch ops (the previous path, ``moe_marlin_torch_glue``)
+  grid_gemv   ours with option moe_gemv_slots: quantize + the expert GEMV + SiLU*up qdq + GEMV + FP32 combine
+              (``grid_kernels/moe_gemv.moe_decode_gemv``), M * topk <= 1024
+  triton      the project's Triton grouped-GEMM path (SGLang's MoE kernel, ``ops.grid_moe``)
+
+``--gemv-out F`` writes ``{"moe_gemv_slots": S}``: S = M * topk of the largest measured M such that
+grid_gemv beats grid at every measured M up to it.
 
 Timing as bench_fast_path.py: every arm captured in one CUDA graph over several weight copies
 (so that the routed experts' weights cannot stay in L2), replayed with
@@ -56,11 +62,16 @@ def main():
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--arms", default="", help="only these arms (comma-separated; default all)")
+    ap.add_argument("--gemv-out", default="")
     args = ap.parse_args()
     from mxfp8_learner_grid.vllm_plugin import compat
     compat.register_kernel_providers()
     assert providers.get("marlin") is not None, "vLLM's Marlin ops are needed"
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from mxfp8_learner_grid.common.grid_kernels.moe_gemv import moe_decode_gemv
+    from mxfp8_learner_grid.common.ops import moe_reference, local_expert_ids
+    gemv_slots, gemv_wins = 0, True
     e, h, i, topk = args.experts, args.hidden, args.inter, args.topk
     layers = [make_layer(e, h, i, s) for s in range(args.copies)]
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": torch.cuda.get_device_name(),
@@ -80,6 +91,14 @@ def main():
         bound = yt.float().abs() * 2.0 ** -7 + yt.float().abs().amax(-1, keepdim=True) * 2.0 ** -16
         eq = (y.view(torch.int16) == yt.view(torch.int16)).float().mean().item()
         assert eq >= 0.999 and bool((err <= bound).all()), f"M={m}: Triton glue vs torch glue: {eq:.5f} equal"
+        gemv_ok = m * topk <= 1024
+        if gemv_ok:     # the expert GEMV path against the per-expert reference before it counts
+            yg = moe_decode_gemv(x, lay.w13_weight, lay.w13_weight_scale_inv, lay.w2_weight, lay.w2_weight_scale_inv,
+                                 w, ids, None, i)
+            ref = moe_reference(x, lay.w13_weight, lay.w13_weight_scale_inv, lay.w2_weight, lay.w2_weight_scale_inv,
+                                w, local_expert_ids(ids, None))
+            rel = ((yg.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+            assert rel < 2e-3, f"M={m}: expert GEMV vs reference: relative error {rel:.2e}"
         arms = {
             "bf16": [lambda bf=bf: fused_experts(x, bf["w13"], bf["w2"], w, ids) for _, bf in layers],
             "grid": [lambda l=l: l.grid_kernel.apply(l, x, w, ids, None) for l, _ in layers],
@@ -87,7 +106,17 @@ def main():
                                                              l.grid_marlin_w2, l.grid_marlin_w2_scale,
                                                              l.grid_marlin_workspace, w, ids, None, e, i)
                            for l, _ in layers],
+            "grid_gemv": [lambda l=l: moe_decode_gemv(x, l.w13_weight, l.w13_weight_scale_inv, l.w2_weight,
+                                                      l.w2_weight_scale_inv, w, ids, None, i) for l, _ in layers],
+            "triton": [lambda l=l: torch.ops.mxfp8_learner_grid.moe(x, l.w13_weight, l.w13_weight_scale_inv, l.w2_weight,
+                                                                    l.w2_weight_scale_inv, w, ids, None)
+                       for l, _ in layers],
         }
+        if not gemv_ok:
+            arms.pop("grid_gemv")
+        if args.arms:
+            keep = set(args.arms.split(",")) | {"bf16"}
+            arms = {a: f for a, f in arms.items() if a in keep}
         us = {}
         for arm, fns in arms.items():
             try:
@@ -101,7 +130,16 @@ def main():
             out.write(json.dumps(rec) + "\n")
         out.flush()
         print(f"MoE M={m:5d} " + " ".join(f"{a}={t:.1f}us" if t else f"{a}=-" for a, t in us.items())
-              + (f"  | grid x{us['bf16'] / us['grid']:.2f} bf16" if us.get("bf16") and us.get("grid") else ""), flush=True)
+              + "  | " + " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid", "grid_gemv", "triton")
+                                  if us.get("bf16") and us.get(a)), flush=True)
+        if gemv_wins and us.get("grid_gemv") and us.get("grid") and us["grid_gemv"] < us["grid"]:
+            gemv_slots = m * topk
+        else:
+            gemv_wins = False
+    print(f"MOE_GEMV_SLOTS {gemv_slots}", flush=True)
+    if args.gemv_out:
+        with open(args.gemv_out, "w") as f:
+            json.dump({"moe_gemv_slots": gemv_slots}, f)
 
 
 if __name__ == "__main__":

@@ -113,8 +113,10 @@ case "${1:-kernels}" in
       | tee "$OUT/bench_fast_path.log" | grep -E "M=|GEMV_ROWS|summed|Error|NOT TIMED" | tail -60
     cp "$OUT/gemv.json" /tmp/gemv.json 2>/dev/null || true
     ;;
-  moe)
-    python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -12
+  moe)    # MoE layer: BF16 fused experts vs Marlin MoE + glue vs the expert GEMV (option moe_gemv_slots) vs Triton
+    python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" --ms "${MS:-1,2,4,8,16,32,64,256,1024}" \
+      --gemv-out "$OUT/moe_gemv.json" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -14
+    cp "$OUT/moe_gemv.json" /tmp/moe_gemv.json 2>/dev/null || true
     ;;
   native) # issue #17 on the GPU: native collective_rpc + load_weights, full and partial, derived tensors checked
     for kind in ${KINDS:-dense moe}; do

@@ -177,17 +177,25 @@ def moe_triton(x, w13, w13_s, w2, w2_s, topk_weights, local_ids):
 @torch.library.custom_op("mxfp8_learner_grid::moe", mutates_args=())
 def grid_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
              w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-             expert_map: Optional[torch.Tensor], weights_on_activation: bool = False) -> torch.Tensor:
+             expert_map: Optional[torch.Tensor], weights_on_activation: bool = False,
+             gemv_slots: int = 0) -> torch.Tensor:
     """A SiLU-gated MoE layer on the grid.  w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I].
-    ``weights_on_activation``: Megatron's order (see ``moe_reference``; the reference loop only)."""
+    ``weights_on_activation``: Megatron's order (see ``moe_reference``; the reference loop only).
+    ``gemv_slots``: on the Triton path, up to that many routed slots by the expert GEMV
+    (``grid_kernels/moe_gemv.py``)."""
     local_ids = local_expert_ids(topk_ids, expert_map)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if weights_on_activation or choose_backend(x) == "torch":
         return moe_reference(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids, weights_on_activation)
+    if x.dtype == torch.bfloat16 and x.shape[0] * topk_ids.shape[1] <= gemv_slots:
+        from .grid_kernels.moe_gemv import moe_decode_gemv
+        return moe_decode_gemv(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map,
+                               w2.shape[2])
     return moe_triton(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, local_ids)
 
 
 @grid_moe.register_fake
-def _(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map, weights_on_activation=False):
+def _(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_map, weights_on_activation=False,
+      gemv_slots=0):
     return torch.empty_like(x)

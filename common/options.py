@@ -9,6 +9,8 @@ Keys (all optional)::
     kernel: auto | marlin | w8a16 | triton | torch              # force one kernel (common.grid_kernels)
     prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
     gemv_rows: 16                                               # rows 1 ... R: the decode GEMV (off: 0; at most 64)
+    moe_gemv_slots: 64                                          # MoE: up to S routed slots (tokens x top-k) by the
+                                                                # expert GEMV (off: 0; at most 1024)
     w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)
@@ -36,7 +38,7 @@ from .wire import QUANT_METHOD
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                        "router_dtype", "moe_router_weights", "gemv_rows"})
+                        "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -70,6 +72,11 @@ class GridOptions:
         from .grid_kernels.marlin import GEMV_MAX_ROWS
         if isinstance(gemv, bool) or not isinstance(gemv, int) or not 0 <= gemv <= GEMV_MAX_ROWS:
             raise ValueError(f"gemv_rows must be an integer in 0 ... {GEMV_MAX_ROWS} (rows; 0: off); got {gemv!r}")
+        slots = self.raw.get("moe_gemv_slots", 0)
+        from .grid_kernels.moe_gemv import MOE_GEMV_MAX_SLOTS
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MOE_GEMV_MAX_SLOTS:
+            raise ValueError(f"moe_gemv_slots must be an integer in 0 ... {MOE_GEMV_MAX_SLOTS} (routed slots; 0: off); "
+                             f"got {slots!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:

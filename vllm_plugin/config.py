@@ -20,6 +20,7 @@ Options (all optional)::
     kernel: auto                   # or marlin | w8a16 | triton | torch: force one grid kernel (common/grid_kernels)
     prefill_crossover: 256         # rows from which dense layers switch Marlin -> W decode + cuBLAS
     gemv_rows: 16                  # rows 1 ... R: dense layers use the decode GEMV (gemv_triton; 0: off, max 64)
+    moe_gemv_slots: 64             # MoE: up to S routed slots (tokens x top-k) by the expert GEMV (0: off)
     w8a16_rows: [17, 256]          # rows [lo, hi) for which dense layers use the W8A16 Triton GEMM ([]: off)
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
                                    # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)

@@ -23,6 +23,9 @@ by a counting sort without atomics (``moe_triton.moe_align``), beyond that vLLM'
 re-sorted within each expert segment (:func:`deterministic_order`); both graph-safe, no host sync.  Slots routed to other ranks' experts
 (expert parallel) are never written by Marlin and are masked out of the sum.
 
+With the option ``moe_gemv_slots: S``, up to S routed slots (decode) go to the expert GEMV
+(``moe_gemv.py``), which reads the layer's own codes and scales.
+
 Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
 ``grid_marlin_w13_scale`` / ``grid_marlin_w2_scale`` (permuted E8M0 bytes); a refresh after a
 write rebuilds only the written experts, in place.
@@ -68,7 +71,12 @@ def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, bloc
 @torch.library.custom_op("mxfp8_learner_grid::moe_marlin", mutates_args=())
 def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                workspace: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               expert_map: Optional[torch.Tensor], global_num_experts: int, intermediate: int) -> torch.Tensor:
+               expert_map: Optional[torch.Tensor], global_num_experts: int, intermediate: int,
+               w13_codes: Optional[torch.Tensor] = None, w13_scales: Optional[torch.Tensor] = None,
+               w2_codes: Optional[torch.Tensor] = None, w2_scales: Optional[torch.Tensor] = None,
+               gemv_slots: int = 0) -> torch.Tensor:
+    """The layer by Marlin MoE; with ``gemv_slots`` (and the layer's own codes and scales given), up to
+    that many routed slots by the expert GEMV instead (``moe_gemv.moe_decode_gemv``)."""
     from ..kernels import moe_triton
     from ..kernels.qdq_triton import qdq_rows
     ops = providers.get("marlin")
@@ -76,6 +84,10 @@ def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torc
     if m == 0:
         return torch.zeros_like(x)
     topk = topk_ids.shape[1]
+    if m * topk <= gemv_slots:
+        from .moe_gemv import moe_decode_gemv
+        return moe_decode_gemv(x, w13_codes, w13_scales, w2_codes, w2_scales, topk_weights, topk_ids, expert_map,
+                               intermediate).to(x.dtype)
     e_local = w13.shape[0]
     bs = block_size_m(m, topk, e_local, global_num_experts)
     aligned = moe_triton.moe_align(topk_ids, bs, global_num_experts, e_local, expert_map)
@@ -121,7 +133,8 @@ def moe_marlin_torch_glue(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk
 
 
 @moe_marlin.register_fake
-def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, global_num_experts, intermediate):
+def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, global_num_experts, intermediate,
+      w13_codes=None, w13_scales=None, w2_codes=None, w2_scales=None, gemv_slots=0):
     return torch.empty_like(x)
 
 
@@ -148,6 +161,14 @@ class MarlinMoE(GridKernel):
         if i % 64 or h % 128:
             return False, f"intermediate {i} / hidden {h} are not Marlin MoE tile multiples (64 / 128)"
         return True, ""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        from .moe_gemv import moe_gemv_slots
+        self.gemv_slots = moe_gemv_slots(spec)
+
+    def describe(self):
+        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin"
 
     def derived_names(self, layer):
         return ("grid_marlin_w13", "grid_marlin_w2", "grid_marlin_w13_scale", "grid_marlin_w2_scale")
@@ -206,4 +227,5 @@ class MarlinMoE(GridKernel):
         e_global = int(expert_map.shape[0]) if expert_map is not None else int(layer.w13_weight.shape[0])
         return torch.ops.mxfp8_learner_grid.moe_marlin(
             x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
-            layer.grid_marlin_workspace, topk_weights, topk_ids, expert_map, e_global, layer.w2_weight.shape[2])
+            layer.grid_marlin_workspace, topk_weights, topk_ids, expert_map, e_global, layer.w2_weight.shape[2],
+            layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, self.gemv_slots)

@@ -127,3 +127,16 @@ class TritonMoE(TorchMoE):
     @classmethod
     def can_implement(cls, spec):
         return refuse_weights_on_activation(spec, "Triton")
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__(spec)
+        from .moe_gemv import moe_gemv_slots
+        self.gemv_slots = moe_gemv_slots(spec)
+
+    def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
+        return torch.ops.mxfp8_learner_grid.moe(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
+                                                layer.w2_weight_scale_inv, topk_weights, topk_ids, expert_map,
+                                                False, self.gemv_slots)
+
+    def describe(self):
+        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + self.name

@@ -234,15 +234,17 @@ def test_refresh_in_place_under_cuda_graph(m, opts):
     assert stale == []
 
 
-def moe_layer(e, h, i, seed=0):
+def moe_layer(e, h, i, seed=0, kernel=None, **opts):
     g = torch.Generator(device="cuda").manual_seed(seed)
     layer = torch.nn.Module()
     for name, shape in (("w13", (e, 2 * i, h)), ("w2", (e, h, i))):
         q, s = quantize_rows(torch.randn(*shape, device="cuda", generator=g) * 0.03)
         setattr(layer, f"{name}_weight", torch.nn.Parameter(q, requires_grad=False))
         setattr(layer, f"{name}_weight_scale_inv", torch.nn.Parameter(s, requires_grad=False))
+    if kernel:
+        opts["kernel"] = kernel
     spec = LayerSpec(prefix="moe", kind="moe", device_type="cuda", act_dtype=torch.bfloat16, n=2 * i, k=h,
-                     intermediate=i, num_experts=e, capability=torch.cuda.get_device_capability())
+                     intermediate=i, num_experts=e, capability=torch.cuda.get_device_capability(), options=opts)
     layer.grid_kernel = choose(spec)
     layer.grid_kernel.process_weights_after_loading(layer)
     layer.grid_processed = True
@@ -274,6 +276,68 @@ def test_moe_matches_reference(t, ep):
     # the SiLU*up intermediate is re-quantized: a one-ulp difference in gate_up can move one code
     assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
     assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)       # deterministic
+
+
+@pytest.mark.parametrize("kernel", ["marlin", "triton"])
+@pytest.mark.parametrize("t", [1, 2, 8, 16])
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_expert_gemv_matches_reference(kernel, t, ep):
+    """Option moe_gemv_slots: up to 128 routed slots by the expert GEMV -- against the per-expert
+    reference, deterministic; above the option's slots the kernel's grouped GEMM (t = 16 x 8 = 128 is
+    the edge, taken by the GEMV); a CUDA graph replays it."""
+    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
+    e, h, i, topk = 32, 2048, 768, 8
+    layer = moe_layer(e, h, i, seed=100 + t, kernel=kernel, moe_gemv_slots=128)
+    assert layer.grid_kernel.name == kernel and layer.grid_kernel.gemv_slots == 128
+    g = torch.Generator(device="cuda").manual_seed(17 + t)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(t, 2 * e if ep else e, device="cuda", generator=g)
+    w, ids = torch.topk(torch.softmax(logits, -1), topk)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.float32)
+    ids = ids.to(torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((2 * e,), -1, dtype=torch.int32, device="cuda")
+        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    import mxfp8_learner_grid.common.grid_kernels.moe_gemv as MG
+    calls = []
+    real = MG.moe_decode_gemv
+    MG.moe_decode_gemv = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        y = layer.grid_kernel.apply(layer, x, w, ids, emap)
+    finally:
+        MG.moe_decode_gemv = real
+    assert calls == [1]
+    ref = moe_reference(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                        w, local_expert_ids(ids, emap))
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    d = bf16_ulps(y, ref)
+    assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
+    assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)       # deterministic
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = layer.grid_kernel.apply(layer, x, w, ids, emap)
+    graph.replay()
+    assert torch.equal(yg, y)
+
+
+def test_moe_gemv_kernel_per_slot():
+    """The expert GEMV alone: every slot the exact sum rounded once (FP32 order), other ranks' slots 0."""
+    from mxfp8_learner_grid.common.kernels.moe_gemv_triton import moe_gemv
+    e, n, k, s = 16, 1536, 2048, 24
+    g = torch.Generator(device="cuda").manual_seed(3)
+    wq, ws = quantize_rows(torch.randn(e, n, k, device="cuda", generator=g) * 0.03)
+    xq, xs = quantize_rows(torch.randn(5, k, device="cuda", generator=g).to(torch.bfloat16))
+    rows = torch.randint(0, 5, (s,), device="cuda", dtype=torch.int32)
+    ex = torch.randint(-1, e, (s,), device="cuda", dtype=torch.int32)
+    y = moe_gemv(xq, xs, rows, wq, ws, ex)
+    xa = dequantize_blocks(xq, xs)
+    for j in range(s):
+        if int(ex[j]) < 0:
+            assert bool((y[j] == 0).all())
+            continue
+        w = dequantize_blocks(wq[int(ex[j])], ws[int(ex[j])])
+        check_fp32_accumulation(y[j:j + 1], xa[int(rows[j])][None], w)
 
 
 def test_a_stale_packed_copy_is_caught_by_the_derived_state_check():

@@ -1,0 +1,58 @@
+"""Option ``moe_gemv_slots: S`` of the GPU MoE kernels: at decode sizes (tokens x top-k <= S routed
+slots) the experts run the project's expert GEMV (``kernels/moe_gemv_triton``) instead of the grouped
+GEMM (Marlin MoE in vLLM, the Triton grouped GEMM in SGLang).
+
+The layer in the reference's order (``ops.moe_reference``), with exact operands:
+
+1. x quantized TE-exactly to codes + E8M0 scales (one Triton pass);
+2. gate_up = the expert GEMV per slot, FP32 accumulation, rounded once to bf16;
+3. ``silu(gate) * up`` in bf16 and its grid values (``moe_triton.silu_mul_qdq``, bit-equal to the
+   torch ops), then those values as codes + scales again (re-quantizing grid values returns the
+   same values: every block's amax is already on the grid);
+4. down = the expert GEMV per slot (rounded once to bf16);
+5. the router weights applied in FP32 and the top-k slots summed in FP32 in k order, one cast
+   (``moe_triton.moe_combine``).
+
+No slot sort (each program owns one slot), no atomics, nothing derived: the kernel reads the
+layer's own fp8 codes and scales, so an update needs no repack.  Slots of other ranks' experts
+(expert parallel) read no weight and are written as zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: the largest ``moe_gemv_slots`` the option accepts (the kernel is correct for any number of slots;
+#: one program per slot stops paying once slots share experts)
+MOE_GEMV_MAX_SLOTS = 1024
+
+
+def moe_gemv_slots(spec) -> int:
+    """Option ``moe_gemv_slots: S`` (0: off) -- 0 as well where the kernel cannot take the shape."""
+    from ..kernels.moe_gemv_triton import moe_gemv_shape_ok
+    s = int(spec.options.get("moe_gemv_slots", 0) or 0)
+    return s if s and moe_gemv_shape_ok(spec.k) and moe_gemv_shape_ok(spec.intermediate) else 0
+
+
+def moe_decode_gemv(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor],
+                    intermediate: int) -> torch.Tensor:
+    """The MoE layer (bf16 x (T, H) -> bf16 (T, H)) by the expert GEMV; see the module doc."""
+    from ..kernels import moe_triton
+    from ..kernels.moe_gemv_triton import moe_gemv
+    from ..kernels.quantize_triton import quantize_rows_triton
+    from ..ops import local_expert_ids
+    m, h = x.shape
+    topk = topk_ids.shape[1]
+    slots = m * topk
+    local = local_expert_ids(topk_ids, expert_map).reshape(-1)
+    idx = torch.arange(slots, device=x.device, dtype=torch.int32)
+    xq, xs = quantize_rows_triton(x)
+    gu = moe_gemv(xq, xs, idx // topk, w13, w13_s, local)
+    act = moe_triton.silu_mul_qdq(gu, intermediate)
+    aq, as_ = quantize_rows_triton(act)
+    d = moe_gemv(aq, as_, idx, w2, w2_s, local)
+    tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+    return moe_triton.moe_combine(d, tw, topk_ids, expert_map)
