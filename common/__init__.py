@@ -8,6 +8,7 @@ Knows nothing of vLLM or SGLang.  Public API::
 """
 
 from . import format
+from .grid_weight import GridWeight
 from .layout import pad_scales, strip_padding, swizzle_scales, unswizzle_scales
 from .linear import check_weight, dequantize_weight, mxfp8_linear_reference
 from .quantize import MXFP8Quantizer, quantize_mxfp8, quantize_rows
@@ -18,5 +19,5 @@ __all__ = [
     "format", "MXFP8Tensor", "MXFP8Quantizer", "ModuleSelection",
     "quantize_mxfp8", "quantize_rows", "dequantize_mxfp8", "dequantize_blocks",
     "swizzle_scales", "unswizzle_scales", "pad_scales", "strip_padding",
-    "mxfp8_linear_reference", "dequantize_weight", "check_weight",
+    "mxfp8_linear_reference", "dequantize_weight", "check_weight", "GridWeight",
 ]

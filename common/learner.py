@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import format as F
-from .layout import strip_padding, unswizzle_scales
+from .grid_weight import GridWeight
 from .linear import mxfp8_linear_reference
 from .ops import weighted_activation
 from .quantize import quantize_mxfp8, quantize_rows
@@ -311,18 +311,9 @@ def wire_from_te(t, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
 
     Strips TE's scale padding and undoes the GEMM swizzle when
     ``_with_gemm_swizzled_scales`` is set (fused grouped-MLP ops swizzle in place).
+    The reader is ``GridWeight.from_te`` (errors name ``name``).
     """
-    data = getattr(t, "_rowwise_data", None)
-    scales = getattr(t, "_rowwise_scale_inv", None)
-    if data is None or scales is None:
-        raise ValueError(f"{name}: TE MXFP8Tensor has no rowwise copy (quantizer without rowwise usage); "
-                         "the sampler's forward needs W's rowwise data and scales")
-    shape = tuple(t.shape) if hasattr(t, "shape") else tuple(data.shape)
-    m, k = F.check_te_shape(shape)
-    if getattr(t, "_with_gemm_swizzled_scales", False):
-        scales = unswizzle_scales(scales)
-    scales = strip_padding(scales.view(torch.uint8).reshape(scales.shape[-2], scales.shape[-1]), m, k // F.BLOCK_SIZE)
-    return data.view(torch.uint8).reshape(shape).view(F.FP8_DTYPE).contiguous(), scales.reshape(*shape[:-1], k // F.BLOCK_SIZE)
+    return GridWeight.from_te(name, t).pair()
 
 
 def export_te_state_dict(named: Iterable[tuple[str, object]] | Mapping[str, object],
@@ -339,9 +330,7 @@ def export_te_state_dict(named: Iterable[tuple[str, object]] | Mapping[str, obje
         if new is None:
             continue
         if is_te_mxfp8_tensor(t):
-            if not new.endswith(WEIGHT_SUFFIX):
-                raise ValueError(f"{name}: an MXFP8 parameter must map to a '<module>.weight' name; got {new!r}")
-            out[new], out[new[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX] = wire_from_te(t, name)
+            out.update(GridWeight.from_te(name, t).to_wire(new))     # names the tensor unless new is '<m>.weight'
         else:
             out[new] = t.detach() if isinstance(t, torch.Tensor) else t
     return out

@@ -15,15 +15,15 @@ from typing import Optional
 
 import torch
 
+from .grid_weight import GridWeight
 from .quantize import quantize_rows
 from .tensor import dequantize_blocks
 
 
 def check_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, name: str = "weight") -> None:
     """Raise ``ValueError`` (``wire.WireFormatError``) naming ``name`` unless (weight, scales) is a
-    wire-format pair: the one rule set of ``wire.check_pair``."""
-    from .wire import check_pair
-    check_pair(name, weight, weight_scale_inv)
+    wire-format pair: the one rule set of ``grid_weight.GridWeight.checked``."""
+    GridWeight.checked(name, weight, weight_scale_inv)
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:

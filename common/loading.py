@@ -33,6 +33,7 @@ import torch
 
 from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
+from mxfp8_learner_grid.common.grid_weight import check_data, check_grid_shape, check_scales
 from mxfp8_learner_grid.common.refresh import mark_written
 from mxfp8_learner_grid.common.sync.recorder import note_derived_source
 from mxfp8_learner_grid.common.wire import WireFormatError
@@ -82,12 +83,10 @@ def _call(base_loader, name: str, param, loaded, *args, **kwargs):
                               f"parameter: {type(exc).__name__}: {exc}") from exc
 
 
-def _check_shape(label: str, t: torch.Tensor, want, what: str) -> None:
+def _check_shape(label: str, t: torch.Tensor, want) -> None:
+    """A checkpoint weight against the shard shape the engine expects (where it knows it)."""
     if want is not None and t.dim() == 2 and tuple(t.shape) != tuple(want):
-        hint = ""
-        if what == "scales" and all(a >= b for a, b in zip(t.shape, want)):
-            hint = " (TE padding not stripped? send scale_inv[:N, :K/32])"
-        raise WireFormatError(f"{label}: checkpoint {what} have shape {tuple(t.shape)}; expected {tuple(want)}{hint}")
+        raise WireFormatError(f"{label}: checkpoint weights have shape {tuple(t.shape)}; expected {tuple(want)}")
 
 
 def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: Callable,
@@ -107,11 +106,10 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
     def load_weight(param, loaded_weight, *args, **kwargs):
         key = shard_key(*args, **kwargs)
         label, want = shard_info(key, weight_param) if key is not SKIP else (weight_param, None)
+        # the grid rules of grid_weight; a write may be part of a weight (its rows are the layer's check)
         if loaded_weight.dtype in HIGH_PRECISION:
-            if loaded_weight.dim() < 1 or loaded_weight.shape[-1] % F.BLOCK_SIZE:
-                raise WireFormatError(f"{label}: checkpoint shape {tuple(loaded_weight.shape)} is not on the "
-                                      f"MXFP8 grid (in_features must be a multiple of {F.BLOCK_SIZE})")
-            _check_shape(label, loaded_weight, want, "weights")
+            check_grid_shape(label, loaded_weight.shape, whole=False)
+            _check_shape(label, loaded_weight, want)
             q, s = quantize_rows(loaded_weight)
             note_derived_source(q, loaded_weight, "data")
             note_derived_source(s, loaded_weight, "scale")
@@ -121,10 +119,8 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
             if key is not SKIP:
                 writes(layer)[(scale_param, key)] += 1
         elif loaded_weight.dtype == F.FP8_DTYPE:
-            if loaded_weight.dim() < 2 or loaded_weight.shape[-1] % F.BLOCK_SIZE:
-                raise WireFormatError(f"{label}: shape {tuple(loaded_weight.shape)} is not on the MXFP8 grid "
-                                      f"(K must be a multiple of {F.BLOCK_SIZE})")
-            _check_shape(label, loaded_weight, want, "weights")
+            check_data(label, loaded_weight, whole=False)
+            _check_shape(label, loaded_weight, want)
             out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
         else:
             raise WireFormatError(f"{label}: checkpoint tensor has dtype {loaded_weight.dtype}; expected "
@@ -143,14 +139,9 @@ def wrap_scale_loader(layer, scale_param: str, base_loader: Callable, shard_key:
     def load_scale(param, loaded_weight, *args, **kwargs):
         key = shard_key(*args, **kwargs)
         label, want = shard_info(key, scale_param) if key is not SKIP else (scale_param, None)
-        if loaded_weight.dtype != F.SCALE_DTYPE:
-            raise WireFormatError(f"{label}: scales must be uint8 (E8M0); got {loaded_weight.dtype}")
-        if loaded_weight.dim() < 2:
-            raise WireFormatError(f"{label}: scales must be [N, K/32]; got shape {tuple(loaded_weight.shape)}")
-        if want is not None:
-            _check_shape(label, loaded_weight, (want[0], want[1] // F.BLOCK_SIZE), "scales")
-        if loaded_weight.numel() and int(loaded_weight.max()) == F.E8M0_NAN:
-            raise WireFormatError(f"{label}: holds the E8M0 NaN code 255")
+        # grid_weight's scale rules: uint8, [.., N, K/32] of the shard's weight where the engine knows
+        # it (2-D writes), no E8M0 NaN
+        check_scales(label, loaded_weight, want if want is not None and loaded_weight.dim() == 2 else None)
         out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
         if key is not SKIP:
             writes(layer)[(scale_param, key)] += 1

@@ -78,3 +78,79 @@ def test_kv_scales():
     assert t["model.layers.0.self_attn.v_scale"].dtype == torch.float32
     with pytest.raises(ValueError):
         kv_scale_from_amax(float("nan"))
+
+
+# -- GridWeight: the one rule set, the one TE reader ------------------------------------------------
+
+def test_grid_weight_checked_and_to_wire():
+    from mxfp8_learner_grid.common.grid_weight import GridWeight
+    q, s = pair()
+    g = GridWeight.checked("a.weight", q, s)
+    assert g.pair() == (q, s)
+    assert set(g.to_wire()) == {"a.weight", "a.weight_scale_inv"}
+    assert set(g.to_wire("b.weight")) == {"b.weight", "b.weight_scale_inv"}
+    with pytest.raises(WireFormatError, match=r"a\.weight: an on-grid weight travels as '<module>\.weight'"):
+        g.to_wire("b.bias")
+    codes = GridWeight.checked("a.weight", q.view(torch.uint8), s, codes=True)   # uint8 E4M3 codes, on request
+    assert codes.data.dtype == torch.float8_e4m3fn and torch.equal(codes.data.view(torch.uint8), q.view(torch.uint8))
+    with pytest.raises(WireFormatError, match="a.weight: on-grid weight must be torch.float8_e4m3fn; got torch.uint8"):
+        GridWeight.checked("a.weight", q.view(torch.uint8), s)
+    with pytest.raises(WireFormatError, match=r"a\.weight: on-grid weight is on cpu but its scales "
+                                              r"\(a\.weight_scale_inv\) are on meta"):
+        GridWeight.checked("a.weight", q, torch.empty_like(s, device="meta"))
+    GridWeight.checked("a.weight", q, torch.full_like(s, 255), values=False)     # structure only
+
+
+def test_one_wording_for_every_site():
+    """The pair check, the manifest (specs) and an engine loader name a padded scale tensor alike."""
+    from mxfp8_learner_grid.common.grid_weight import check_scales, scales_problem
+    from mxfp8_learner_grid.common.sync.manifest import Manifest, validate
+    q, s = pair()
+    padded = torch.zeros(128, 4, dtype=torch.uint8)
+    with pytest.raises(WireFormatError) as ei:
+        check_pair("a.weight", q, padded)
+    want = scales_problem("a.weight_scale_inv", padded.shape, padded.dtype, q.shape)
+    assert str(ei.value) == want and "TE padding not stripped" in want
+    with pytest.raises(WireFormatError) as ei:
+        check_scales("a.weight_scale_inv", padded, (64, 96))                     # the loaders' check
+    assert str(ei.value) == want
+    probs = validate(Manifest.of({"a.weight": q, "a.weight_scale_inv": padded}, 1, "mxfp8"),
+                     {"a.weight": ((64, 96), True)}, {})
+    assert probs == [want]
+
+
+def _te_state(w, swizzled):
+    from mxfp8_learner_grid.common import quantize_mxfp8, swizzle_scales
+    qm = quantize_mxfp8(w)
+    rs = qm.rowwise_scale_inv.clone()
+    rs[w.shape[0]:] = 0xEE                                   # TE leaves padding uninitialised
+    rs[:, w.shape[1] // 32:] = 0xEE
+    return {"_rowwise_data": qm.rowwise_data.view(torch.uint8),
+            "_rowwise_scale_inv": swizzle_scales(rs) if swizzled else rs,
+            "_with_gemm_swizzled_scales": torch.tensor(int(swizzled), dtype=torch.uint8)}
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_grid_weight_from_te_state_and_object(swizzled):
+    import types
+    from mxfp8_learner_grid.common.grid_weight import GridWeight
+    w = torch.randn(64, 96)
+    q, s = quantize_rows(w)
+    state = _te_state(w, swizzled)
+    for te in (state, types.SimpleNamespace(shape=w.shape, **{k: v for k, v in state.items()})):
+        g = GridWeight.from_te("x.weight", te)
+        assert g.data.dtype == torch.float8_e4m3fn and torch.equal(g.data.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(g.scales, s)
+
+
+def test_grid_weight_from_te_errors_name_the_tensor():
+    from mxfp8_learner_grid.common.grid_weight import GridWeight
+    state = _te_state(torch.randn(64, 96), False)
+    with pytest.raises(WireFormatError, match=r"x\.weight\._rowwise_scale_inv: scales must be uint8"):
+        GridWeight.from_te("x.weight", dict(state, _rowwise_scale_inv=state["_rowwise_scale_inv"].float()))
+    with pytest.raises(WireFormatError, match=r"x\.weight: on-grid weight must be .*or uint8 E4M3 codes; got torch.float32"):
+        GridWeight.from_te("x.weight", dict(state, _rowwise_data=torch.zeros(64, 96)))
+    with pytest.raises(WireFormatError, match=r"x\.weight: shape \(48, 96\) is not on the MXFP8 grid"):
+        GridWeight.from_te("x.weight", dict(state, _rowwise_data=state["_rowwise_data"][:48]))
+    with pytest.raises(WireFormatError, match=r"x\.weight: TE MXFP8Tensor has no rowwise copy"):
+        GridWeight.from_te("x.weight", {"_rowwise_data": state["_rowwise_data"]})

@@ -18,6 +18,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from .. import format as F
+from ..grid_weight import data_problem, missing_scales_problem, scales_problem
 from ..selection import ModuleSelection
 from ..wire import SCALE_SUFFIX, WEIGHT_SUFFIX
 
@@ -184,11 +185,9 @@ def validate_by_condition(manifest: Manifest, signature: Mapping[str, tuple], pl
             if manifest.format != "mxfp8":
                 bad("layout", f"{t.name}: scales in a format='bf16' update (the engine quantizes bf16 weights itself)")
             shape, _ = signature[w]
-            want = [*shape[:-1], shape[-1] // F.BLOCK_SIZE]
-            if dt != F.SCALE_DTYPE or list(t.shape) != want:
-                hint = " (TE padding not stripped?)" if list(t.shape) != want and len(t.shape) == len(want) and \
-                    all(a >= b for a, b in zip(t.shape, want)) else ""
-                bad("layout", f"{t.name}: expected uint8 {want}; got {t.dtype} {list(t.shape)}{hint}")
+            problem = scales_problem(t.name, t.shape, dt, shape)      # grid_weight's rules, on the spec
+            if problem:
+                bad("layout", problem)
             continue
         if t.name in extra:
             continue
@@ -199,15 +198,14 @@ def validate_by_condition(manifest: Manifest, signature: Mapping[str, tuple], pl
         if list(t.shape) != list(shape):
             bad("layout", f"{t.name}: shape {list(t.shape)}; the model has {list(shape)}")
         if on_grid:
-            want_dt = F.FP8_DTYPE if manifest.format == "mxfp8" else None
-            if want_dt is not None and dt != want_dt:
-                bad("layout", f"{t.name}: on-grid weight in a format='mxfp8' update must be float8_e4m3fn; got {t.dtype}")
-            if want_dt is None and dt not in (torch.bfloat16, torch.float16, torch.float32):
-                bad("layout", f"{t.name}: on-grid weight in a format='bf16' update must be high precision; got {t.dtype}")
             if manifest.format == "mxfp8":
+                if dt != F.FP8_DTYPE:
+                    bad("layout", data_problem(t.name, t.shape, dt))
                 sn = t.name[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX
                 if sn not in seen:
-                    bad("completeness", f"{sn}: missing (every fp8 weight needs its scales)")
+                    bad("completeness", missing_scales_problem(t.name))
+            elif dt not in (torch.bfloat16, torch.float16, torch.float32):
+                bad("layout", f"{t.name}: on-grid weight in a format='bf16' update must be high precision; got {t.dtype}")
         else:
             want = plain_dtypes.get(t.name)
             if want is not None and dt != want:
