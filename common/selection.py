@@ -113,6 +113,3 @@ class ModuleSelection:
                 d[key] = [d[key]]
         return cls(include=d.get("include", DEFAULT_INCLUDE), exclude=d.get("exclude", DEFAULT_EXCLUDE),
                    layers=d.get("layers"))
-
-
-ALL = ModuleSelection()

@@ -13,12 +13,13 @@ name.  A checkpoint in this format says so in ``config.json``::
     "quantization_config": {"quant_method": "mxfp8-learner-grid", "fmt": "e4m3",
                             "block_size": 32, "scale_format": "e8m0", "modules": {...}}
 
-This module owns the names and the checks; the plugins and the learner tools use it.
+This module owns the names; ``grid_weight.GridWeight`` the checks (one rule set, used by
+``check_pair`` here); the plugins and the learner tools use both.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -51,40 +52,15 @@ def is_scale_name(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
-def _scales_label(name: str) -> str:
-    """How an error names the scales of weight ``name`` (their wire name where ``name`` is one)."""
-    return scale_name(name) if name.endswith(WEIGHT_SUFFIX) else f"{name} scales"
-
-
 def check_pair(name: str, data: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
     """Validate one on-grid weight and its scales; raise :class:`WireFormatError` naming ``name``.
 
-    Checks dtype (float8_e4m3fn data, uint8 scales), K a multiple of 32, N a multiple of
-    32 for 2-D weights (TE's rule; it keeps tensor-parallel shards exact), the unpadded
-    scale shape, and the E8M0 range (255 = NaN is never a valid learner scale).
+    The one rule set (``grid_weight.GridWeight.checked``): float8_e4m3fn data and uint8 scales on
+    one device, 2-D or 3-D, N and K multiples of 32 (TE's rule; it keeps tensor-parallel shards
+    exact), the unpadded scale shape, and the E8M0 range (255 = NaN is never a valid learner scale).
     """
-    if scales is None:
-        raise WireFormatError(f"{name}: on-grid weight has no '{SCALE_SUFFIX[1:]}' tensor")
-    if data.dtype != F.FP8_DTYPE:
-        raise WireFormatError(f"{name}: on-grid weight must be {F.FP8_DTYPE}; got {data.dtype}")
-    if scales.dtype != F.SCALE_DTYPE:
-        raise WireFormatError(f"{_scales_label(name)}: scales must be uint8 (E8M0); got {scales.dtype}")
-    if data.dim() not in (2, 3):
-        raise WireFormatError(f"{name}: on-grid weight must be 2-D [N, K] or 3-D [E, N, K]; "
-                              f"got shape {tuple(data.shape)}")
-    n, k = data.shape[-2:]
-    if k % F.BLOCK_SIZE or n % F.BLOCK_SIZE:
-        raise WireFormatError(f"{name}: shape {tuple(data.shape)} is not on the MXFP8 grid "
-                              f"(N and K must be multiples of {F.BLOCK_SIZE})")
-    want = (*data.shape[:-1], k // F.BLOCK_SIZE)
-    if tuple(scales.shape) != want:
-        hint = ""
-        if scales.dim() == len(want) and all(s >= w for s, w in zip(scales.shape, want)):
-            hint = " (TE padding not stripped? send scale_inv[:N, :K/32])"
-        raise WireFormatError(f"{_scales_label(name)}: shape {tuple(scales.shape)}; expected {want} "
-                              f"for weight {tuple(data.shape)}{hint}")
-    if scales.numel() and int(scales.max()) == F.E8M0_NAN:
-        raise WireFormatError(f"{_scales_label(name)}: holds the E8M0 NaN code 255")
+    from .grid_weight import GridWeight          # grid_weight builds on this module's names
+    GridWeight.checked(name, data, scales)
 
 
 def split_state_dict(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -122,7 +98,3 @@ def quantization_config(selection: Optional[ModuleSelection] = None, **extra: An
     }
     cfg.update(extra)
     return cfg
-
-
-def module_names(weight_names: Iterable[str]) -> list[str]:
-    return [n[: -len(WEIGHT_SUFFIX)] for n in weight_names if n.endswith(WEIGHT_SUFFIX)]

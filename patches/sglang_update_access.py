@@ -39,10 +39,11 @@ def bridge_enabled(updater) -> bool:
 def check_start(server_args) -> None:
     """Refuse a bridge reachable from the network without an API key (``server_args``: SGLang's)."""
     from mxfp8_learner_grid.common.sync.security import check_update_access
+    from mxfp8_learner_grid.sglang_plugin.updater import API_KEY_FLAGS
     if server_args is None:               # an in-process Engine outside a server: no HTTP routes
         return
     keys = {k for k in (getattr(server_args, "api_key", None), getattr(server_args, "admin_api_key", None)) if k}
-    check_update_access(getattr(server_args, "host", None), keys)
+    check_update_access(getattr(server_args, "host", None), keys, key_flags=API_KEY_FLAGS)
 
 
 def _after_init(result, self, *args, **kwargs):

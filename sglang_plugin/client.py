@@ -25,6 +25,8 @@ weight-update machinery:
     reset_prefix_cache()        flush_cache() (a refused flush is an error, never silent)
     resume()                    end_weight_update(); continue_generation()
 
+The bridge itself -- control message, reply file, update-session bracketing -- is engine-agnostic
+(``common.sync.bridge.BridgeTransport``); this module supplies SGLang's calls.
 ``begin/end_weight_update`` exist from the 0.5.23 update sessions on (0.5.17 has none, and
 loads outside any session); where they exist, a grid call made outside an update (the
 version query at connect, fingerprints) is wrapped in its own session, since SGLang refuses
@@ -36,37 +38,30 @@ files under ``/dev/shm``).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import uuid
-import weakref
 from typing import Optional
 
 import torch
 
+from mxfp8_learner_grid.common.sync.bridge import BridgeTransport
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
-from mxfp8_learner_grid.common.sync.rank_service import checked
-from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
-from mxfp8_learner_grid.common.sync.transport import run_beside, staging_dir
+from mxfp8_learner_grid.common.sync.protocol import JSONClient
+from mxfp8_learner_grid.common.sync.transport import run_beside
 
-from .updater import CONTROL, GRID_LOADER, REPLY_PREFIX
+from .updater import GRID_LOADER
 
-STAGINGS = ("tensor", "nccl")
+STAGINGS = BridgeTransport.STAGINGS
 ALIASES = {"shm": "tensor", "cuda_ipc": "tensor"}    # the vLLM plugin's names: SGLang's serializer picks by device
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SGLangTransport:
-    """What every SGLang transport shares; a subclass supplies the SGLang calls (``_update_from_tensor``,
-    ``_update_from_distributed``, ``_session_call``, ``_pause_generation``, ``_continue_generation``,
-    ``_flush``, ``_init_group``)."""
+class SGLangTransport(BridgeTransport):
+    """What every SGLang transport shares: the checks of the engine's configuration, SGLang's
+    weight-update group; a subclass supplies the SGLang calls (``common.sync.bridge.BridgeTransport``)
+    and ``_init_group``."""
+
+    no_reply_hint = f"is the engine on this host, started with --custom-weight-loader {GRID_LOADER}?"
 
     def __init__(self, server_info: dict, staging: str = "tensor", pause_mode: str = "abort"):
-        staging = ALIASES.get(staging, staging)
-        if staging not in STAGINGS:
-            raise ValueError(f"staging must be one of {STAGINGS}; got {staging!r}")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
         loaders = server_info.get("custom_weight_loader") or []
@@ -78,81 +73,8 @@ class SGLangTransport:
                 raise ValueError(f"grid weight updates need {key}=1 (SGLang's tensor updates are per TP group); "
                                  f"got {server_info[key]}")
         self.tp_size = int(server_info.get("tp_size") or 1)
-        self.staging, self.pause_mode = staging, pause_mode
-        self.reply_dir = tempfile.mkdtemp(prefix=REPLY_PREFIX, dir=staging_dir())
-        self.close = weakref.finalize(self, shutil.rmtree, self.reply_dir, True)   # also at exit
-        self.sessions: Optional[bool] = None        # has begin/end_weight_update (0.5.23); None: not yet known
-        self.in_session = False
-        self.group, self.group_name = None, None
-        self._bucket: list = []
-        self._version: Optional[int] = None
-
-    # -- the GridSyncClient transport API --------------------------------------------------
-    def rpc(self, method: str, *args: str) -> list:
-        if method == "grid_update_begin":
-            self._version = int(json.loads(args[0])["version"])
-        own_session = not self.in_session
-        if own_session:
-            self._begin()
-        try:
-            extra, version = [], None
-            if method == "grid_update_load":
-                src = json.loads(args[0])
-                if src["kind"] == "loaded":               # the bytes go SGLang's broadcast way first
-                    names, dtypes, shapes = (list(x) for x in zip(*src["tensors"]))
-                    ok, msg = self._update_from_distributed(names, dtypes, shapes, self.group_name)
-                    if not ok:
-                        raise RuntimeError(f"update_weights_from_distributed failed: {msg}")
-                else:
-                    extra, self._bucket = self._bucket, []
-            if method == "grid_update_commit" and args and args[0] == "1" and self._version is not None:
-                version = str(self._version)
-            return checked(method, self._control(method, args, extra, version))
-        finally:
-            if own_session:
-                self._end()
-
-    def stage(self, bucket) -> dict:
-        if self.staging == "nccl":
-            if self.group is None:
-                raise RuntimeError("staging='nccl' needs init_group() first (connect(..., nccl={...}) does it)")
-            return {"kind": "loaded",
-                    "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in bucket]}
-        self._bucket = [(n, t.detach().contiguous()) for n, t in bucket]
-        return {"kind": "inline", "names": [n for n, _ in bucket]}
-
-    @property
-    def send(self):
-        """Push a staged bucket while SGLang's receiving request runs (nccl only; None: nothing to push)."""
-        if self.staging != "nccl":
-            return None
-
-        def push(bucket, source):
-            for _, t in bucket:
-                torch.distributed.broadcast(t.detach().contiguous(), src=0, group=self.group)
-        return push
-
-    def release(self, source) -> None:
-        self._bucket = []
-
-    def pause(self) -> None:
-        self._pause_generation()
-        try:
-            self._begin()
-        except BaseException:
-            self._continue_generation()     # the client only resumes what it paused
-            raise
-
-    def resume(self) -> None:
-        try:
-            self._end()
-        finally:
-            self._continue_generation()
-
-    def reset_prefix_cache(self) -> None:
-        if not self._flush():
-            raise RuntimeError("SGLang refused to flush its prefix cache (requests still running or queued): "
-                               "KV computed with the old weights would be reused")
+        self.pause_mode = pause_mode
+        super().__init__(ALIASES.get(staging, staging))
 
     def init_group(self, host: str = "127.0.0.1", port: int = 29555, group_name: str = "mxfp8_grid",
                    backend: str = "nccl") -> None:
@@ -167,65 +89,15 @@ class SGLangTransport:
             raise RuntimeError(f"init_weights_update_group failed: {msg}")
         self.group_name = group_name
 
-    # -- the bridge --------------------------------------------------------------------------
-    def _control(self, method: str, args, extra: list, weight_version: Optional[str]) -> list:
-        reply = os.path.join(self.reply_dir, f"{method}-{uuid.uuid4().hex}.json")
-        ctl = CONTROL + json.dumps({"method": method, "args": list(args), "reply": reply})
-        ok, msg = self._update_from_tensor([(ctl, _control_tensor())] + list(extra), weight_version)
-        try:
-            if not ok:
-                raise RuntimeError(f"{method}: SGLang refused the request: {msg}")
-            try:
-                with open(reply) as f:
-                    results = json.load(f)
-            except FileNotFoundError:
-                raise RuntimeError(f"{method}: no reply from the engine's workers in {self.reply_dir} (is the "
-                                   f"engine on this host, started with --custom-weight-loader {GRID_LOADER}?)") \
-                    from None
-        finally:
-            try:
-                os.unlink(reply)
-            except FileNotFoundError:
-                pass
-        bad = [r for r in results if not r["ok"]]
-        if bad:
-            e = bad[0]
-            more = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
-            if e["type"] == "UpdateRejected":
-                raise UpdateRejected(e["error"] + more)
-            raise RuntimeError((e["error"] if e["type"] == "RuntimeError" else f"{e['type']}: {e['error']}") + more)
-        return [r["result"] for r in sorted(results, key=lambda r: r["rank"])]
-
-    def _begin(self) -> None:
-        if self.sessions is False or self.in_session:
-            return
-        r = self._session_call("begin")
-        if r is None:                                    # 0.5.17: no update sessions
-            self.sessions = False
-            return
-        ok, msg = r
-        if not ok:
-            raise RuntimeError(f"begin_weight_update failed: {msg}")
-        self.sessions, self.in_session = True, True
-
-    def _end(self) -> None:
-        if not self.in_session:
-            return
-        self.in_session = False
-        ok, msg = self._session_call("end")
-        if not ok:
-            raise RuntimeError(f"end_weight_update failed: {msg}")
-
-
-def _control_tensor() -> torch.Tensor:
-    """The tensor the control message's name rides on: empty, so it pickles by value (no shared-memory
-    handle, which a separately launched server could not open) -- unless SGLang's
-    ``monkey_patch_torch_reductions`` is active in this process (its trainer-side helpers apply it): that
-    pickles CUDA tensors only."""
-    from torch.multiprocessing import reductions
-    if hasattr(reductions, "_reduce_tensor_original") and torch.cuda.is_available():
-        return torch.zeros(1, dtype=torch.uint8, device="cuda")
-    return torch.empty(0, dtype=torch.uint8)
+    def _control_tensor(self) -> torch.Tensor:
+        """The tensor the control message's name rides on: empty, so it pickles by value (no shared-memory
+        handle, which a separately launched server could not open) -- unless SGLang's
+        ``monkey_patch_torch_reductions`` is active in this process (its trainer-side helpers apply it):
+        that pickles CUDA tensors only."""
+        from torch.multiprocessing import reductions
+        if hasattr(reductions, "_reduce_tensor_original") and torch.cuda.is_available():
+            return torch.zeros(1, dtype=torch.uint8, device="cuda")
+        return torch.empty(0, dtype=torch.uint8)
 
 
 def _generate_args(prompt_logprobs: bool) -> dict:
@@ -289,27 +161,16 @@ class EngineTransport(SGLangTransport):
                                                               for o in outs]
 
 
-class HTTPTransport(SGLangTransport):
+class HTTPTransport(JSONClient, SGLangTransport):
     """A running ``sglang serve`` / ``python -m sglang.launch_server`` with ``--custom-weight-loader GRID_LOADER``."""
 
     def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, staging: str = "tensor",
                  pause_mode: str = "abort"):
-        import requests
-        self.s = requests.Session()
-        self.base, self.timeout = base_url.rstrip("/"), timeout
-        if api_key:
-            self.s.headers["Authorization"] = f"Bearer {api_key}"
-        r = self.s.get(self.base + "/server_info", timeout=timeout)      # 0.5.17 and 0.5.23
-        r.raise_for_status()
-        super().__init__(r.json(), staging, pause_mode)
-
-    def _post(self, path, body=None):
-        """(status, JSON body or text) of a POST."""
-        r = self.s.post(self.base + path, json=body or {}, timeout=self.timeout)
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, r.text
+        JSONClient.__init__(self, base_url, api_key, timeout)
+        status, info = self._get("/server_info")                          # 0.5.17 and 0.5.23
+        if status >= 400:
+            raise RuntimeError(f"/server_info: HTTP {status}: {info}")
+        SGLangTransport.__init__(self, info, staging, pause_mode)
 
     def _ok(self, path, body=None):
         status, out = self._post(path, body)

@@ -33,7 +33,7 @@ from mxfp8_learner_grid.common.grid_kernels.layers import register_kernel_derive
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
-from mxfp8_learner_grid.common.sync.session import EngineAdapter
+from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
 from . import compat
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mxfp8_learner_grid.common import quantize_rows
-from mxfp8_learner_grid.common.sync.digest import fingerprint, region_fingerprint
+from mxfp8_learner_grid.common.sync.digest import fingerprint
 from mxfp8_learner_grid.common.sync.manifest import Manifest, validate
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected, WriteRecorder
 from mxfp8_learner_grid.common.sync.regions import coverage_problems, slice_box, view_box
@@ -27,9 +27,6 @@ def test_fingerprint_properties():
     assert fingerprint(a.view(torch.float8_e4m3fn)) == f            # bytes, not dtype
     assert fingerprint(a[:, :32]) == fingerprint(a[:, :32].contiguous())
     assert fingerprint(a[:-1]) != f                                 # length
-    assert region_fingerprint(a, "sampled", 0.1, 3) == region_fingerprint(a.clone(), "sampled", 0.1, 3)
-    with pytest.raises(ValueError):
-        region_fingerprint(a, "bogus")
 
 
 def test_view_boxes_and_coverage():
@@ -62,7 +59,7 @@ def test_manifest_validation_names_every_problem():
     assert "norm.weight: dtype torch.bfloat16; the engine holds it as torch.float32" in probs
     missing = Manifest.of({"a.weight": q}, 1, "mxfp8")
     probs = " | ".join(validate(missing, sig, dt))
-    assert "a.weight_scale_inv: missing" in probs and "full update misses 1 tensors" in probs
+    assert "a.weight: on-grid weight has no 'weight_scale_inv' tensor" in probs and "full update misses 1 tensors" in probs
     assert validate(Manifest.of({"a.weight": q, "a.weight_scale_inv": s}, 1, "mxfp8", partial=True), sig, dt) == []
     m2 = Manifest.from_json(ok.to_json())
     assert m2.tensors[0].name == "a.weight" and m2.format == "mxfp8"
@@ -373,3 +370,52 @@ def test_malformed_manifests_are_refused_naming_the_field(payload, needle):
     assert needle in str(e.value) and len(str(e.value)) < 300, str(e.value)
     m = Manifest.of({"w": torch.zeros(2, 3)}, 4, "bf16", partial=True, kv_scales={"0": [0.1, 0.2]})
     assert Manifest.from_json(m.to_json()) == m
+
+
+def test_protocol_checks_calls_and_maps_errors(monkeypatch, tmp_path):
+    """Request validation and the error -> status mapping both plugins' routes use (common/sync/protocol.py)."""
+    from mxfp8_learner_grid.common.sync.protocol import BadRequest, check_call, error_reply, raise_error
+    from mxfp8_learner_grid.common.sync.security import Refused
+    monkeypatch.setenv("MXFP8_GRID_STAGING_DIRS", str(tmp_path))
+    f = tmp_path / "b.safetensors"
+    f.write_bytes(b"x")
+    assert check_call({"method": "grid_update_load", "args": [f'{{"kind": "safetensors", "path": "{f}"}}']})[0] \
+        == "grid_update_load"
+    for body, status, needle in (([1], 400, "body must be"), ({"method": "grid_x"}, 400, "not a grid update method"),
+                                 ({"method": "grid_state", "args": [1]}, 400, "list of strings"),
+                                 ({"method": "grid_update_load", "args": ['{"kind": "safetensors", "path": "/etc/x"}']},
+                                  400, "must be inside"),
+                                 ({"method": "grid_nccl_init", "args": ['{"host": "203.0.113.7"}']}, 403, "203.0.113.7"),
+                                 ({"method": "grid_update_begin", "args": ["{no"]}, 400, "manifest is not JSON")):
+        with pytest.raises(BadRequest, match=needle) as exc:
+            check_call(body)
+        assert exc.value.status == status
+    assert error_reply(Refused("no")) == (403, {"error": "no"})
+    status, body = error_reply(UpdateRejected("bad", {"layout": ["x"]}))
+    assert status == 422 and body["problems"] == {"layout": ["x"]}
+    with pytest.raises(UpdateRejected) as exc:
+        raise_error(status, body, "/grid/rpc")
+    assert exc.value.problems == {"layout": ["x"]}
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        raise_error(404, {"error": "no route"}, "/grid/x")
+
+
+def test_bridge_outcomes_and_reply_files(monkeypatch, tmp_path):
+    """The control-message bridge's framing (common/sync/bridge.py): outcomes as data, replies only where allowed."""
+    from mxfp8_learner_grid.common.sync import bridge
+    monkeypatch.setenv(bridge.REPLY_DIRS_ENV, str(tmp_path))
+    msg = {"method": "grid_state", "args": [], "reply": "r.json"}
+    named = [(bridge.CONTROL + __import__("json").dumps(msg), torch.empty(0))]
+    assert bridge.is_control(named) and bridge.parse_control(named) == msg and not bridge.is_control([("w", None)])
+
+    def refuse():
+        raise UpdateRejected("no", {"completeness": ["a: missing"]})
+    ok, bad = dict(bridge.outcome(lambda: {"v": 1}), rank=1), dict(bridge.outcome(refuse), rank=0)
+    assert bridge.raise_failed([ok]) == [{"v": 1}]
+    with pytest.raises(UpdateRejected, match="no") as exc:
+        bridge.raise_failed([ok, bad])
+    assert exc.value.problems == {"completeness": ["a: missing"]}
+    d = tmp_path / (bridge.REPLY_PREFIX + "x")
+    d.mkdir()
+    assert bridge.write_reply(str(d / "r.json"), [ok]) and (d / "r.json").exists()
+    assert not bridge.write_reply(str(tmp_path / "r.json"), [ok]) and not bridge.reply_path_ok("/etc/x.json")

@@ -16,8 +16,11 @@ def test_loopback_and_access_rules(monkeypatch):
     assert not is_loopback(None) and not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("")
     check_update_access("127.0.0.1", set())
     check_update_access(None, {"k"})
-    with pytest.raises(Refused, match="need an API key.*all interfaces"):
+    with pytest.raises(Refused, match="need an API key.*all interfaces") as exc:
         check_update_access(None, set())
+    assert "--api-key" in str(exc.value) and "VLLM_API_KEY" not in str(exc.value)   # no engine's name by default
+    with pytest.raises(Refused, match=r"need an API key \(--api-key / --admin-api-key\)"):
+        check_update_access("0.0.0.0", set(), key_flags="--api-key / --admin-api-key")   # the caller's wording
     monkeypatch.delenv(NCCL_HOSTS_ENV, raising=False)
     check_rendezvous("127.0.0.1")
     with pytest.raises(Refused, match="10.1.2.3.*MXFP8_GRID_NCCL_HOSTS"):
@@ -52,6 +55,7 @@ def test_middleware_is_closed_by_default(monkeypatch):
     nccl = {"method": "grid_nccl_init", "args": [json.dumps({"host": "203.0.113.7", "port": 1, "world_size": 2})]}
     status, out = _call(mw, "/grid/rpc", nccl, host="0.0.0.0")
     assert status == 403 and "API key" in out["error"]                       # open to the network, no key
+    assert "--api-key / VLLM_API_KEY" in out["error"]                         # vLLM's ways to give one
     status, out = _call(mw, "/grid/rpc", nccl, host="127.0.0.1")
     assert status == 403 and "203.0.113.7" in out["error"]                   # loopback server, foreign rendezvous
     status, out = _call(mw, "/grid/rpc", nccl, host="0.0.0.0", api_key="K", headers=[(b"authorization", b"Bearer K")])

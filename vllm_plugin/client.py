@@ -21,29 +21,20 @@ Bulk bytes travel (``staging=``):
 from __future__ import annotations
 
 import json
-import os
 from typing import Optional
 
 from mxfp8_learner_grid.common.sync.client import GridSyncClient
+from mxfp8_learner_grid.common.sync.protocol import JSONClient, raise_error
 from mxfp8_learner_grid.common.sync.rank_service import checked
-from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
-from mxfp8_learner_grid.common.sync.transport import (cuda_ipc_source, nccl_send, nccl_source, run_beside,
-                                                      write_safetensors_bucket)
+from mxfp8_learner_grid.common.sync.transport import Stager, run_beside
 
 GRID_WORKER = "mxfp8_learner_grid.vllm_plugin.worker.GridWorkerExtension"
 GRID_MIDDLEWARE = "mxfp8_learner_grid.vllm_plugin.http.GridUpdateMiddleware"
+STAGINGS = Stager.STAGINGS
 
 
-STAGINGS = ("shm", "cuda_ipc", "nccl")
-
-
-class _Staging:
-    def __init__(self, staging: str):
-        if staging not in STAGINGS:
-            raise ValueError(f"staging must be one of {STAGINGS}; got {staging!r}")
-        self.staging = staging
-        self._keep = []
-        self.nccl = None
+class _Staging(Stager):
+    """Bucket staging (``common.sync.transport.Stager``) plus vLLM's NCCL group with the workers."""
 
     def init_nccl(self, host: str = "127.0.0.1", port: int = 29555, device=None) -> None:
         """Form the trainer<->workers NCCL group (the trainer is rank 0 on ``device``)."""
@@ -54,29 +45,6 @@ class _Staging:
                                                                    "world_size": world, "rank_offset": 1}))
         self.nccl = nccl_group(host, port, 0, world, device if device is not None else torch.cuda.current_device())
         join()
-
-    def stage(self, bucket):
-        if self.staging == "nccl":
-            if self.nccl is None:
-                raise RuntimeError("staging='nccl' needs init_nccl() first (connect(..., nccl={...}) does it)")
-            return nccl_source(bucket)
-        if self.staging == "cuda_ipc":
-            self._keep = [t for _, t in bucket]       # the trainer's buffers must outlive the load
-            return cuda_ipc_source(bucket)
-        return write_safetensors_bucket(bucket)
-
-    def send(self, bucket, source) -> None:
-        """Push the bytes of a staged bucket while the workers' load RPC is running (nccl only)."""
-        if source.get("kind") == "nccl":
-            nccl_send(self.nccl, bucket)
-
-    def release(self, source):
-        if source.get("kind") == "safetensors":
-            try:
-                os.unlink(source["path"])
-            except FileNotFoundError:
-                pass
-        self._keep = []
 
 
 class LLMTransport(_Staging):
@@ -113,33 +81,21 @@ class LLMTransport(_Staging):
         return lps, [int(o.num_cached_tokens or 0) for o in outs]
 
 
-class HTTPTransport(_Staging):
+class HTTPTransport(JSONClient, _Staging):
     """A running ``vllm serve`` started with the grid worker extension and middleware."""
 
     def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, model: Optional[str] = None,
                  staging: str = "shm"):
         if staging == "cuda_ipc":
             raise ValueError("CUDA IPC handles are never accepted over HTTP; use staging='shm' or 'nccl'")
-        super().__init__(staging)
-        import requests
-        self.s = requests.Session()
-        self.base, self.timeout = base_url.rstrip("/"), timeout
-        if api_key:
-            self.s.headers["Authorization"] = f"Bearer {api_key}"
+        _Staging.__init__(self, staging)
+        JSONClient.__init__(self, base_url, api_key, timeout)
         self.model = model
 
     def _post(self, path, body=None):
-        r = self.s.post(self.base + path, json=body or {}, timeout=self.timeout)
-        if r.status_code == 422:          # a refusal: its problems by condition come as data
-            try:
-                err = r.json()
-            except ValueError:
-                err = None
-            if isinstance(err, dict) and err.get("problems"):
-                raise UpdateRejected(err.get("error", ""), err["problems"])
-        if r.status_code >= 400:
-            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}")
-        return r.json() if r.content else None
+        status, out = JSONClient._post(self, path, body)
+        raise_error(status, out, path)        # a refusal's problems by condition come back as data
+        return out
 
     def rpc(self, method, *args):
         return self._post("/grid/rpc", {"method": method, "args": list(args)})["results"]

@@ -34,38 +34,26 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
 import time
 
+from mxfp8_learner_grid.common.sync.protocol import (METHODS, NCCL_INIT, BadRequest, check_bearer, check_call,
+                                                     error_reply, parse_body)
 from mxfp8_learner_grid.common.sync.rank_service import checked
-from mxfp8_learner_grid.common.sync.manifest import Manifest
-from mxfp8_learner_grid.common.sync.security import Refused, check_rendezvous, check_update_access
+from mxfp8_learner_grid.common.sync.security import check_update_access
 
 ENABLE_ENV = "MXFP8_GRID_UPDATES"
-STAGING_ENV = "MXFP8_GRID_STAGING_DIRS"
 #: a paused update whose trainer sends nothing for this long is aborted (rolled back) and generation resumes
 STALL_ENV = "MXFP8_GRID_STALL_TIMEOUT_S"
 DEFAULT_STALL_S = 300.0
-ALLOWED = {"grid_update_begin", "grid_update_load", "grid_update_finish", "grid_update_commit", "grid_update_abort",
-           "grid_state", "grid_fingerprints", "grid_nccl_init"}
+ALLOWED = frozenset(METHODS + (NCCL_INIT,))
+#: how a vLLM server is given an API key (named when the routes are refused without one)
+API_KEY_FLAGS = "--api-key / VLLM_API_KEY"
 _state = {"version": 0, "paused_at": None, "last": 0.0, "watchdog": None, "expired": []}
 log = logging.getLogger("mxfp8_learner_grid.vllm")
 
 
 def stall_timeout() -> float:
     return float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
-
-
-def _staging_dirs() -> list[str]:
-    dirs = os.environ.get(STAGING_ENV)
-    base = dirs.split(",") if dirs else ["/dev/shm", tempfile.gettempdir()]
-    return [os.path.realpath(d) for d in base if d]
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, msg: str):
-        super().__init__(msg)
-        self.status = status
 
 
 class GridUpdateMiddleware:
@@ -90,14 +78,11 @@ class GridUpdateMiddleware:
     async def _grid(self, scope, receive, send):
         try:
             if os.environ.get(ENABLE_ENV) != "1":
-                raise HTTPError(404, f"weight-update routes are off (set {ENABLE_ENV}=1)")
+                raise BadRequest(404, f"weight-update routes are off (set {ENABLE_ENV}=1)")
             app_state = scope["app"].state
             keys = self._keys(app_state)
-            try:
-                check_update_access(getattr(getattr(app_state, "args", None), "host", None), keys)
-            except Refused as exc:
-                raise HTTPError(403, str(exc)) from None
-            self._auth(scope, keys)
+            check_update_access(getattr(getattr(app_state, "args", None), "host", None), keys, API_KEY_FLAGS)
+            check_bearer(dict(scope.get("headers") or []).get(b"authorization", b"").decode(), keys)
             body = await self._body(receive)
             client = app_state.engine_client
             path, method = scope["path"], scope.get("method", "GET")
@@ -107,7 +92,7 @@ class GridUpdateMiddleware:
                 out = {"version": _state["version"], "paused": _state["paused_at"] is not None,
                        "expired_updates": list(_state["expired"])}
             elif method != "POST":
-                raise HTTPError(405, f"{path} takes POST")
+                raise BadRequest(405, f"{path} takes POST")
             elif path == "/grid/pause":
                 await client.pause_generation(mode="wait", clear_cache=False)
                 _state["paused_at"] = _state["last"] = time.monotonic()
@@ -122,15 +107,10 @@ class GridUpdateMiddleware:
             elif path == "/grid/rpc":
                 out = {"results": await self._rpc(client, body)}
             else:
-                raise HTTPError(404, f"no route {path}")
+                raise BadRequest(404, f"no route {path}")
             await self._reply(send, 200, out)
-        except HTTPError as e:
-            await self._reply(send, e.status, {"error": str(e)})
-        except Exception as e:            # the engine refused the update (validation, rollback, ...)
-            body = {"error": f"{type(e).__name__}: {e}"}
-            if getattr(e, "problems", None):
-                body["problems"] = e.problems    # {condition: [problem, ...]}: data, not words to parse
-            await self._reply(send, 422, body)
+        except Exception as e:            # a bad request (4xx), a refusal (403), the engine refused (422)
+            await self._reply(send, *error_reply(e))
 
     # -- a trainer that dies or stalls mid-update ------------------------------------------
     def _watch(self, client) -> None:
@@ -158,59 +138,12 @@ class GridUpdateMiddleware:
                 await client.resume_generation()
 
     async def _rpc(self, client, body):
-        if not isinstance(body, dict) or "method" not in body:
-            raise HTTPError(400, "body must be {\"method\": ..., \"args\": [...]}")
-        method, args = body["method"], body.get("args", [])
-        if method not in ALLOWED:
-            raise HTTPError(400, f"method {method!r} is not a grid update method; allowed: {sorted(ALLOWED)}")
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise HTTPError(400, "args must be a list of strings")
-        if method == "grid_update_load":
-            self._check_source(args[0] if args else "")
-        if method == "grid_nccl_init":
-            try:
-                info = json.loads(args[0]) if args else None
-                host = info["host"]
-            except Exception:
-                raise HTTPError(400, "grid_nccl_init takes {\"host\", \"port\", \"world_size\", \"rank_offset\"}") from None
-            try:
-                check_rendezvous(str(host))
-            except Refused as exc:
-                raise HTTPError(403, str(exc)) from None
-        if method in ("grid_update_begin",):
-            try:
-                manifest = json.loads(args[0]) if args else None
-            except Exception as exc:
-                raise HTTPError(400, f"manifest is not JSON: {exc}") from None
-            try:
-                Manifest.from_dict(manifest)
-            except ValueError as exc:
-                raise HTTPError(400, str(exc)) from None
+        method, args = check_call(body, ALLOWED)
         # a begin that a rank refused raises here: 422, its problems by condition in the body
         results = checked(method, await client.collective_rpc(method, args=tuple(args)))
         if method == "grid_update_commit" and results and all(r.get("applied") for r in results):
             _state["version"] = int(results[0]["version"])
         return results
-
-    def _check_source(self, src_json: str) -> None:
-        try:
-            src = json.loads(src_json)
-        except Exception as exc:
-            raise HTTPError(400, f"bucket source is not JSON: {exc}") from None
-        if isinstance(src, dict) and src.get("kind") == "nccl":
-            t = src.get("tensors")
-            if not isinstance(t, list) or not all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
-                                                  and isinstance(e[1], str) and isinstance(e[2], list) for e in t):
-                raise HTTPError(400, "an nccl bucket source is {\"kind\": \"nccl\", \"tensors\": [[name, dtype, shape], ...]}")
-            return
-        if not isinstance(src, dict) or src.get("kind") != "safetensors":
-            raise HTTPError(400, "over HTTP a bucket source must be {\"kind\": \"safetensors\", \"path\": ...} "
-                                 "or {\"kind\": \"nccl\", ...}")
-        path = os.path.realpath(str(src.get("path", "")))
-        if not any(path.startswith(d + os.sep) for d in _staging_dirs()):
-            raise HTTPError(400, f"bucket path must be inside {_staging_dirs()} ({STAGING_ENV})")
-        if not os.path.isfile(path):
-            raise HTTPError(400, f"bucket file {path} does not exist (truncated transfer?)")
 
     @staticmethod
     def _keys(app_state) -> set:
@@ -224,27 +157,13 @@ class GridUpdateMiddleware:
             keys.add(k)
         return keys
 
-    def _auth(self, scope, keys: set) -> None:
-        if not keys:
-            return
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode()
-        if auth not in {f"Bearer {k}" for k in keys}:
-            raise HTTPError(401, "weight updates need the server's API key")
-
     async def _body(self, receive):
         chunks, more = [], True
         while more:
             msg = await receive()
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
-        raw = b"".join(chunks)
-        if not raw:
-            return {}
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:     # bytes that are not UTF-8/16/32: not JSON
-            raise HTTPError(400, f"body is not JSON: {exc}") from None
+        return parse_body(b"".join(chunks))
 
     async def _reply(self, send, status: int, obj) -> None:
         body = json.dumps(obj, default=str).encode()

@@ -19,7 +19,7 @@ from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
-from mxfp8_learner_grid.common.sync.session import EngineAdapter
+from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
 
 
 

@@ -1,7 +1,8 @@
 """The trainer-side client: ``update_weights`` for any engine, and the checks that need the learner.
 
 One API for both engines; an engine plugs in a *transport* (``vllm_plugin.client`` for vLLM:
-in-process ``LLM`` or a running ``vllm serve`` over HTTP).  A transport provides::
+in-process ``LLM`` or a running ``vllm serve`` over HTTP, staging through ``transport.Stager``;
+``sglang_plugin.client`` for SGLang, over ``bridge.BridgeTransport``).  A transport provides::
 
     rpc(method, *str_args) -> [result per rank]      the worker extension's grid_* methods
     stage(bucket) -> source dict; release(source)    move bytes (shm file, CUDA IPC, ...)
@@ -39,7 +40,7 @@ from .sources import TrainerSource, as_source
 from .manifest import Manifest
 from .recorder import backup_mode
 from .report import CheckResult, SyncReport
-from .session import fingerprint_regions
+from .fingerprints import fingerprint_regions
 from .transport import run_beside
 
 HIGH = (torch.bfloat16, torch.float16, torch.float32)

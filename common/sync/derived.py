@@ -24,10 +24,6 @@ class Derived:
     tensor: torch.Tensor
     builder: Callable[[], torch.Tensor]
 
-    def rebuild_into_place(self) -> None:
-        with torch.no_grad():
-            self.tensor.copy_(self.builder())
-
     def stale(self) -> bool:
         with torch.no_grad():
             return fingerprint(self.tensor) != fingerprint(self.builder().to(self.tensor.dtype))

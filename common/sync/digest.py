@@ -7,10 +7,8 @@ exact and associative, so any device and any reduction order give the same value
 computes it in one pass over the weights (no host copy), a CPU learner over its own tensor.
 Any single changed byte changes it (m_i is odd); swapped bytes, shifted rows, wrong
 offsets or a different layout change it with probability ~1 - 2^-64.  It is an integrity
-check against accidents, not a cryptographic hash.
-
-``sampled`` mode fingerprints a deterministic subset of rows (seeded), for a cheaper check
-whose cost the report states.
+check against accidents, not a cryptographic hash.  (A ``sampled`` digest samples whole
+write regions, seeded -- ``UpdateSession``'s ``digest=`` -- and fingerprints each in full.)
 """
 
 from __future__ import annotations
@@ -42,20 +40,3 @@ def fingerprint(t: torch.Tensor, seed: int = 0, chunk: int = 1 << 24) -> int:
         total = total + (w * _mix(idx, seed)).sum()
     return int(total.item()) & 0xFFFFFFFFFFFFFFFF
 
-
-def sample_rows(n_rows: int, fraction: float, seed: int) -> torch.Tensor:
-    """The rows a sampled check reads: at least one, deterministic for (n_rows, fraction, seed)."""
-    k = max(1, min(n_rows, int(round(n_rows * fraction))))
-    g = torch.Generator().manual_seed(seed)
-    return torch.sort(torch.randperm(n_rows, generator=g)[:k]).values
-
-
-def region_fingerprint(t: torch.Tensor, mode: str = "full", fraction: float = 0.02, seed: int = 0) -> int:
-    """Fingerprint of a 2-D (or 3-D) region: all of it (``full``) or a seeded subset of rows."""
-    if mode == "full":
-        return fingerprint(t, seed)
-    if mode != "sampled":
-        raise ValueError(f"digest mode must be 'full' or 'sampled'; got {mode!r}")
-    rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
-    idx = sample_rows(rows.shape[0], fraction, seed).to(rows.device)
-    return fingerprint(rows.index_select(0, idx), seed)

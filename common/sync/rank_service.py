@@ -16,6 +16,10 @@ a call is the same, and lives here:
     state()                              version, torn flag, open flag, on-grid layer count
     fingerprints(names_json)             fingerprints of named parameters
 
+and, for an engine whose own update paths load a bucket (SGLang's broadcast), ``absorb`` (such a
+load, through the open session; a failure kept, never raised into the engine) and ``absorbed``
+(the bucket's account: exactly the announced tensors arrived, none failed).
+
 Arguments and results are strings and JSON-able dicts, so the same calls work in-process and
 across processes.  A call that needs an open update (load, finish, commit) is refused without
 one, with the same words on every engine.
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Callable, Iterable, Optional
 
 from .digest import fingerprint
 from .manifest import Manifest
 from .recorder import UpdateRejected
 from .session import UpdateSession
+
+log = logging.getLogger("mxfp8_learner_grid.sync")
 
 #: the options of ``begin`` and their defaults (the client sends them as JSON)
 SESSION_DEFAULTS = {"backup": True, "digest": "sampled", "fraction": 0.05, "seed": 0, "verify": False}
@@ -69,6 +76,8 @@ class RankService:
         self._adapter = None
         self.session: Optional[UpdateSession] = None
         self.open = False
+        self.received: list[str] = []       # names the engine's own update paths loaded (absorb)
+        self.load_error: Optional[BaseException] = None
 
     @property
     def adapter(self):
@@ -100,6 +109,7 @@ class RankService:
             self.session = None
             return {"rank": ad.rank, "begun": False, "rejected": exc.problems, "error": str(exc)}
         self.open = True
+        self.received, self.load_error = [], None
         self.on_open()
         return {"rank": ad.rank, "begun": True}
 
@@ -107,6 +117,39 @@ class RankService:
         items = list(items)
         self.require().load(items)
         return {"rank": self.adapter.rank, "tensors": len(items)}
+
+    def load_announced(self, names: list, tensors: list) -> dict:
+        """A bucket that came with the request, checked against the names its source announced."""
+        got = [n for n, _ in tensors]
+        if got != list(names):
+            raise UpdateRejected(f"bucket arrived garbled: {len(got)} tensors, {len(names)} announced")
+        return self.load(tensors)
+
+    def absorb(self, items: Iterable) -> None:
+        """A load the engine ran its own way while this update is open: through the session.  Never
+        raises (the caller is the engine); a failure is kept for :meth:`absorbed` to report."""
+        items = list(items)
+        self.received += [n for n, _ in items]
+        if self.load_error is not None:
+            return                          # this update already failed (and was rolled back)
+        try:
+            if self.session is None or self.session.finished:
+                raise UpdateRejected("a weight load arrived after grid_update_finish")
+            self.session.load(items)
+        except Exception as exc:            # noqa: BLE001 -- reported by absorbed()
+            log.error("mxfp8-learner-grid: weight update failed while loading: %s", exc)
+            self.load_error = exc
+
+    def absorbed(self, want: list) -> dict:
+        """The account of one bucket that went the engine's way: the tensors ``want`` arrived, none failed."""
+        self.require()
+        got, self.received = self.received, []
+        if self.load_error is not None:
+            raise self.load_error
+        if sorted(got) != sorted(want):
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            raise UpdateRejected(f"bucket arrived incomplete: missing {missing[:4]}, unexpected {extra[:4]}")
+        return {"rank": self.adapter.rank, "tensors": len(got)}
 
     def finish(self) -> dict:
         return dataclasses.asdict(self.require().finish())

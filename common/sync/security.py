@@ -33,11 +33,13 @@ def is_loopback(host: Optional[str]) -> bool:
         return False
 
 
-def check_update_access(listen_host: Optional[str], api_keys: set) -> None:
-    """Raise :class:`Refused` when update routes would be open to the network without a key."""
+def check_update_access(listen_host: Optional[str], api_keys: set, key_flags: str = "--api-key") -> None:
+    """Raise :class:`Refused` when update routes would be open to the network without a key.
+    ``key_flags``: how the caller's engine is given a key, for the message (vLLM: ``--api-key /
+    VLLM_API_KEY``; SGLang: ``--api-key / --admin-api-key``)."""
     if api_keys or is_loopback(listen_host):
         return
-    raise Refused("weight-update routes need an API key (--api-key / VLLM_API_KEY) unless the server listens on "
+    raise Refused(f"weight-update routes need an API key ({key_flags}) unless the server listens on "
                   f"loopback only (--host 127.0.0.1); this server listens on {listen_host or 'all interfaces'}")
 
 

@@ -13,7 +13,8 @@ same call works in-process and over HTTP); the bytes travel beside it:
   supplies the group (``read_source(..., nccl=group)``): anything with vLLM's
   ``PyNcclCommunicator.broadcast(tensor, src, stream)``.
 
-``read_source`` returns {name: tensor} on the engine side.
+``read_source`` returns {name: tensor} on the engine side; :class:`Stager` is the trainer side
+(stage, send, release) for a transport.
 """
 
 from __future__ import annotations
@@ -128,3 +129,42 @@ def run_beside(fn, *args):
             raise box["error"]
         return box.get("result")
     return join
+
+
+class Stager:
+    """The trainer side of the bucket sources above, for a transport to mix in: ``stage`` a bucket
+    (``"shm"``: a safetensors file in shared memory; ``"cuda_ipc"``: IPC handles, the trainer's
+    buffers kept alive until ``release``; ``"nccl"``: a description, the bytes pushed by ``send``
+    over ``self.nccl``, the group the transport formed), ``release`` it after the load."""
+
+    STAGINGS = ("shm", "cuda_ipc", "nccl")
+
+    def __init__(self, staging: str):
+        if staging not in self.STAGINGS:
+            raise ValueError(f"staging must be one of {self.STAGINGS}; got {staging!r}")
+        self.staging = staging
+        self._keep = []
+        self.nccl = None
+
+    def stage(self, bucket) -> dict:
+        if self.staging == "nccl":
+            if self.nccl is None:
+                raise RuntimeError("staging='nccl' needs init_nccl() first (connect(..., nccl={...}) does it)")
+            return nccl_source(bucket)
+        if self.staging == "cuda_ipc":
+            self._keep = [t for _, t in bucket]       # the trainer's buffers must outlive the load
+            return cuda_ipc_source(bucket)
+        return write_safetensors_bucket(bucket)
+
+    def send(self, bucket, source) -> None:
+        """Push the bytes of a staged bucket while the engine's load call is running (nccl only)."""
+        if source.get("kind") == "nccl":
+            nccl_send(self.nccl, bucket)
+
+    def release(self, source) -> None:
+        if source.get("kind") == "safetensors":
+            try:
+                os.unlink(source["path"])
+            except FileNotFoundError:
+                pass
+        self._keep = []

@@ -34,8 +34,9 @@ def test_hook_targets_exist_in_this_sglang(sgl):
 
 def test_start_up_refused_on_the_network_without_an_api_key():
     for host, key, admin in (("0.0.0.0", None, None), ("10.1.2.3", "", None), (None, None, None)):
-        with pytest.raises(Refused, match="need an API key"):
+        with pytest.raises(Refused, match="need an API key") as exc:
             access.check_start(types.SimpleNamespace(host=host, api_key=key, admin_api_key=admin))
+        assert "--api-key / --admin-api-key" in str(exc.value) and "VLLM" not in str(exc.value)   # SGLang's flags
     for host, key, admin in (("127.0.0.1", None, None), ("localhost", None, None), ("0.0.0.0", "k", None),
                              ("0.0.0.0", None, "admin-k")):
         access.check_start(types.SimpleNamespace(host=host, api_key=key, admin_api_key=admin))
