@@ -32,12 +32,38 @@ BLOCK_SIZE = 32                       #: values per scale, along the quantized d
 E4M3_MAX = 448.0                      #: largest finite E4M3 magnitude
 E4M3_NAN_BYTE = 0x7F                  #: TE's NaN code (sign dropped); torch writes 0xFF for -NaN
 E4M3_MAX_BYTE = 0x7E                  #: +448 (satfinite target for +overflow and +Inf)
+E4M3_SIGN_MASK = 0x80                 #: sign bit of an E4M3 code (0x80 | c is -c; 0x80 itself is -0)
+E4M3_MAN_BITS = 3                     #: mantissa width of E4M3
+E4M3_MAN_MASK = 0x7                   #: mantissa field of a code
+E4M3_EXP_MASK = 0xF                   #: exponent field of a code (after >> E4M3_MAN_BITS)
+E4M3_BIAS = 7                         #: exponent bias of E4M3: normals are 2^(ex-7) * 1.m
+E4M3_MIN_NORMAL_EXP = 1 - E4M3_BIAS   #: 2^-6, the smallest normal E4M3 magnitude
+E4M3_SUBNORMAL_UNIT = 2.0 ** -9       #: value of the lowest mantissa bit of a subnormal (ex == 0)
 FP8_DTYPE = torch.float8_e4m3fn
 
+# --- fp32 bit fields the rules are written in (an E8M0 byte is an fp32 exponent field) --
+F32_MAN_BITS = 23                     #: fp32 mantissa width: scale byte e sits at e << 23
+F32_MAN_MASK = (1 << F32_MAN_BITS) - 1  #: fp32 mantissa field
+F32_EXP_MASK = 0xFF                   #: fp32 exponent field (after >> 23); all ones: Inf / NaN
+F32_BIAS = 127                        #: fp32 exponent bias (equal to E8M0_BIAS by design)
+F32_ABS_MASK = 0x7FFFFFFF             #: fp32 bits without the sign
+F32_INF_BITS = 0x7F800000             #: fp32 +Inf; |x| bits above it are NaN
+F32_NEG_ZERO_BITS = -(1 << 31)        #: fp32 -0.0 (0x80000000) as a signed int32
+#: the one fp32 NaN this project writes: what E8M0 byte 255 decodes to, everywhere (kernels
+#: included), and the NaN the kernels write to fp32 outputs (the canonical quiet NaN)
+F32_NAN_BITS = 0x7FC00000
+BF16_NAN_BITS = F32_NAN_BITS >> 16    #: the bf16 NaN the kernels write (0x7FC0: the top half of F32_NAN_BITS)
+FP16_NAN_BITS = 0x7E00                #: the fp16 NaN the kernels write (canonical quiet NaN)
+
 # --- scale format (E8M0: a biased power-of-two exponent, no sign, no mantissa) ----
-E8M0_BIAS = 127
-E8M0_NAN = 255                        #: only reachable from a NaN v (never from TE's amax)
-E8M0_INF_BLOCK = 254                  #: a block that holds +-Inf
+E8M0_BIAS = 127                       #: scale byte e means 2^(e - 127); byte 127 is 1.0
+E8M0_NAN = 255                        #: only reachable from a NaN v (never from TE's amax); decodes to NaN
+E8M0_MAX = 254                        #: largest non-NaN scale byte: float_to_e8m0 saturates here
+E8M0_BYTE_MASK = 0xFF                 #: one 8-bit scale byte (e.g. of an int32 word of 4 scales)
+E8M0_INF_BLOCK = E8M0_MAX             #: a block that holds +-Inf
+#: fp32 bits of 2^-127 (an fp32 subnormal): the value of scale byte 0, the reciprocal of
+#: byte 254, and the largest v that rounds up to byte 0
+E8M0_MIN_BITS = 0x00400000
 SCALE_DTYPE = torch.uint8
 #: fp32 bits of (float)(1.0 / 448): TE's Quantized_Limits<fp8e4m3>::max_norm_rcp
 RCP_E4M3_BITS = 0x3B124925
@@ -51,9 +77,11 @@ COLWISE_COL_ALIGN = 128               #:                 K padded to a multiple 
 SCALE_PAD_BYTE = 0x00                 #: what this project writes into padding (TE leaves it uninitialised)
 
 # --- GEMM-swizzled layout (TE swizzle.cuh, cuBLASLt's 128x4 tiles) -----------------
-SWIZZLE_TILE_ROWS = 128
-SWIZZLE_TILE_COLS = 4
-SWIZZLE_TILE_BYTES = 512
+SWIZZLE_TILE_ROWS = 128               #: rows of a swizzle tile
+SWIZZLE_TILE_COLS = 4                 #: scale columns of a swizzle tile
+SWIZZLE_TILE_BYTES = 512              #: bytes of a tile (128 x 4)
+SWIZZLE_SUB_ROWS = 32                 #: a tile's rows interleave as 4 groups of 32: row i % 32 is the 16-byte line
+SWIZZLE_LINE_BYTES = SWIZZLE_TILE_BYTES // SWIZZLE_SUB_ROWS   #: 16 bytes: one row of each group, 4 scales each
 
 
 def round_up(n: int, m: int) -> int:
@@ -108,8 +136,8 @@ def abs_bits_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
     order, so an integer max over these gives amax exactly, with no float arithmetic
     (nothing a flush-to-zero mode or a NaN-propagating max could change).
     """
-    bits = x.to(torch.float32).view(torch.int32) & 0x7FFFFFFF
-    return torch.where(bits > 0x7F800000, torch.zeros_like(bits), bits)
+    bits = x.to(torch.float32).view(torch.int32) & F32_ABS_MASK
+    return torch.where(bits > F32_INF_BITS, torch.zeros_like(bits), bits)
 
 
 def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
@@ -120,11 +148,11 @@ def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
     mantissa is non-zero, except at 254 (saturate) and for subnormal v <= 2^-127.
     """
     bits = v.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    man = bits & 0x7FFFFF
-    up = (man != 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    exp = (bits >> F32_MAN_BITS) & F32_EXP_MASK
+    man = bits & F32_MAN_MASK
+    up = (man != 0) & (exp != E8M0_MAX) & ~((exp == 0) & (man <= E8M0_MIN_BITS))
     e = exp + up.to(torch.int32)
-    e = torch.where(exp == 0xFF, torch.where(man != 0, E8M0_NAN, E8M0_INF_BLOCK), e)
+    e = torch.where(exp == F32_EXP_MASK, torch.where(man != 0, E8M0_NAN, E8M0_INF_BLOCK), e)
     return e
 
 
@@ -137,22 +165,26 @@ def e8m0_from_amax(amax: torch.Tensor) -> torch.Tensor:
 def scale_reciprocal(e: torch.Tensor) -> torch.Tensor:
     """TE ``ptx::exp2f_rcp<float>``: the fp32 factor that maps a block into E4M3 range.
 
-    255 -> NaN, 254 -> 2^-127 (fp32 subnormal 0x00400000), else 2^(127 - e)
-    built from the exponent field ((254 - e) << 23); e == 0 gives 2^127.
+    255 -> NaN (``F32_NAN_BITS``; unreachable: the quantizer never makes byte 255),
+    254 -> 2^-127 (fp32 subnormal 0x00400000), else 2^(127 - e) built from the exponent
+    field ((254 - e) << 23); e == 0 gives 2^127.
     """
     e = e.to(torch.int32)
-    bits = (254 - e) << 23
-    bits = torch.where(e == E8M0_INF_BLOCK, 0x00400000, bits)
-    bits = torch.where(e == E8M0_NAN, 0x7FFFFFFF, bits)
+    bits = (2 * E8M0_BIAS - e) << F32_MAN_BITS
+    bits = torch.where(e == E8M0_INF_BLOCK, E8M0_MIN_BITS, bits)
+    bits = torch.where(e == E8M0_NAN, F32_NAN_BITS, bits)
     return bits.view(torch.float32)
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """Decode E8M0 bytes to fp32 powers of two: 2^(e-127); 0 -> 2^-127 (subnormal); 255 -> NaN."""
+    """Decode E8M0 bytes to fp32 powers of two: 2^(e-127); 0 -> 2^-127 (subnormal); 255 -> NaN.
+
+    This is the decode every kernel follows; byte 255 is the NaN ``F32_NAN_BITS``.
+    """
     e = e.to(torch.int32)
-    bits = e << 23
-    bits = torch.where(e == 0, 0x00400000, bits)
-    bits = torch.where(e == E8M0_NAN, 0x7FFFFFFF, bits)
+    bits = e << F32_MAN_BITS
+    bits = torch.where(e == 0, E8M0_MIN_BITS, bits)
+    bits = torch.where(e == E8M0_NAN, F32_NAN_BITS, bits)
     return bits.view(torch.float32)
 
 
@@ -168,7 +200,7 @@ def encode_e4m3(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     xf = x.to(torch.float32)
     q = (xf * s).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).view(torch.uint8)
     q = torch.where(torch.isnan(xf), torch.full_like(q, E4M3_NAN_BYTE), q)
-    neg_zero = xf.view(torch.int32) == torch.iinfo(torch.int32).min     # bits 0x80000000
+    neg_zero = xf.view(torch.int32) == F32_NEG_ZERO_BITS                 # bits 0x80000000
     return torch.where(neg_zero, torch.zeros_like(q), q)
 
 
@@ -188,4 +220,5 @@ def swizzle_offset(i, j, kb: int):
     Works on ints and on integer tensors.
     """
     tile = (i // SWIZZLE_TILE_ROWS) * (kb // SWIZZLE_TILE_COLS) + j // SWIZZLE_TILE_COLS
-    return tile * SWIZZLE_TILE_BYTES + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
+    return (tile * SWIZZLE_TILE_BYTES + (i % SWIZZLE_SUB_ROWS) * SWIZZLE_LINE_BYTES
+            + ((i % SWIZZLE_TILE_ROWS) // SWIZZLE_SUB_ROWS) * SWIZZLE_TILE_COLS + j % SWIZZLE_TILE_COLS)

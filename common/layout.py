@@ -25,18 +25,24 @@ def _check_swizzle_shape(rows: int, cols: int, what: str) -> None:
             f"{F.SWIZZLE_TILE_ROWS}, cols a multiple of {F.SWIZZLE_TILE_COLS}); got ({rows}, {cols})")
 
 
+#: a 128-row tile is _GROUPS interleaved groups of F.SWIZZLE_SUB_ROWS rows (4 of 32)
+_GROUPS = F.SWIZZLE_TILE_ROWS // F.SWIZZLE_SUB_ROWS
+
+
 def _swizzle_2d(s: torch.Tensor) -> torch.Tensor:
     # i = a*128 + b*32 + c, j = d*4 + e  ->  off = (a*(cols/4) + d)*512 + c*16 + b*4 + e
     rows, cols = s.shape
     _check_swizzle_shape(rows, cols, "swizzle_scales")
-    return (s.reshape(rows // 128, 4, 32, cols // 4, 4)
+    return (s.reshape(rows // F.SWIZZLE_TILE_ROWS, _GROUPS, F.SWIZZLE_SUB_ROWS,
+                      cols // F.SWIZZLE_TILE_COLS, F.SWIZZLE_TILE_COLS)
              .permute(0, 3, 2, 1, 4).reshape(rows, cols).contiguous())
 
 
 def _unswizzle_2d(s: torch.Tensor) -> torch.Tensor:
     rows, cols = s.shape
     _check_swizzle_shape(rows, cols, "unswizzle_scales")
-    return (s.reshape(rows // 128, cols // 4, 32, 4, 4)
+    return (s.reshape(rows // F.SWIZZLE_TILE_ROWS, cols // F.SWIZZLE_TILE_COLS, F.SWIZZLE_SUB_ROWS,
+                      _GROUPS, F.SWIZZLE_TILE_COLS)
              .permute(0, 3, 2, 1, 4).reshape(rows, cols).contiguous())
 
 

@@ -21,14 +21,33 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import format as F
 from . import interpreting
+
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)
+_E8M0_BIAS = tl.constexpr(F.E8M0_BIAS)               # scale byte of 1.0: the neutral value of a masked load
+_E8M0_NAN = tl.constexpr(F.E8M0_NAN)
+_E8M0_MIN_BITS = tl.constexpr(F.E8M0_MIN_BITS)
+_F32_MAN_BITS = tl.constexpr(F.F32_MAN_BITS)
+_F32_NAN_BITS = tl.constexpr(F.F32_NAN_BITS)
+_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
+_E4M3_SIGN_MASK = tl.constexpr(F.E4M3_SIGN_MASK)
+_E4M3_MAN_BITS = tl.constexpr(F.E4M3_MAN_BITS)
+_E4M3_MAN_MASK = tl.constexpr(F.E4M3_MAN_MASK)
+_E4M3_EXP_MASK = tl.constexpr(F.E4M3_EXP_MASK)
+_E4M3_SUBNORMAL_UNIT = tl.constexpr(F.E4M3_SUBNORMAL_UNIT)
+_E4M3_SIGN_TO_F32 = tl.constexpr(32 - 8)             # E4M3 sign bit 7 -> fp32 sign bit 31
+_E4M3_TO_F32_EXP = tl.constexpr(F.F32_BIAS - F.E4M3_BIAS)                 # 120: rebias an E4M3 exponent
+_E4M3_TO_F32_MAN = tl.constexpr(F.F32_MAN_BITS - F.E4M3_MAN_BITS)         # 20: widen its mantissa
 
 
 @triton.jit
 def _e8m0_to_f32(e):
+    """E8M0 bytes -> fp32 2^(e-127), as ``format.e8m0_to_float``: 0 -> 2^-127 (subnormal), 255 -> NaN."""
     e = e.to(tl.int32)
-    bits = tl.where(e == 0, 0x00400000, e << 23)
-    bits = tl.where(e == 255, 0x7FC00000, bits)
+    bits = tl.where(e == 0, _E8M0_MIN_BITS, e << _F32_MAN_BITS)
+    bits = tl.where(e == _E8M0_NAN, _F32_NAN_BITS, bits)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -36,7 +55,7 @@ def _e8m0_to_f32(e):
 def _f32_bits_to_bf16_bits(vbits):
     """Round-to-nearest-even fp32 -> bf16 on bit patterns (non-NaN input; inf stays inf,
     overflow rounds to inf, subnormals round correctly).  Returns int32 holding the 16 bits."""
-    a = vbits & 0x7FFFFFFF
+    a = vbits & _F32_ABS_MASK
     return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((vbits >> 16) & 0x8000)
 
 
@@ -47,22 +66,22 @@ def _e4m3_to_f32(q, HW: tl.constexpr):
         return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         c = q.to(tl.int32)
-        sign = (c & 0x80) << 24
-        ex = (c >> 3) & 0xF
-        man = c & 0x7
-        normal = (sign | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-        sub = man.to(tl.float32) * 0.001953125          # 2^-9
+        sign = (c & _E4M3_SIGN_MASK) << _E4M3_SIGN_TO_F32
+        ex = (c >> _E4M3_MAN_BITS) & _E4M3_EXP_MASK
+        man = c & _E4M3_MAN_MASK
+        normal = (sign | ((ex + _E4M3_TO_F32_EXP) << _F32_MAN_BITS) | (man << _E4M3_TO_F32_MAN)).to(tl.float32, bitcast=True)
+        sub = man.to(tl.float32) * _E4M3_SUBNORMAL_UNIT          # 2^-9
         sub = tl.where(sign != 0, -sub, sub)
         val = tl.where(ex == 0, sub, normal)
-        return tl.where((ex == 15) & (man == 7), float("nan"), val)
+        return tl.where((ex == _E4M3_EXP_MASK) & (man == _E4M3_MAN_MASK), float("nan"), val)
 
 
 @triton.jit
 def _dequant_tile(q_ptrs, s_ptrs, mask, s_mask, R: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr):
     # q: (R, BLOCK_K) codes; s: the compact (R, BLOCK_K // 32) scales, broadcast over each 32-block
     q = tl.load(q_ptrs, mask=mask, other=0)
-    s = _e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, BLOCK_K // 32, 32)), (R, BLOCK_K))
+    s = _e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=_E8M0_BIAS))
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, BLOCK_K // _BLOCK, _BLOCK)), (R, BLOCK_K))
     v = _e4m3_to_f32(q, HW) * s
     if HW:
         return v.to(tl.bfloat16)
@@ -91,7 +110,7 @@ def _grid_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 32)
+    offs_kb = tl.arange(0, BLOCK_K // _BLOCK)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -99,9 +118,9 @@ def _grid_gemm_kernel(
     k_begin = pid_k * k_per_split
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         kk = k0 + offs_k
-        kb = k0 // 32 + offs_kb
+        kb = k0 // _BLOCK + offs_kb
         k_ok = kk < K
-        kb_ok = kb < K // 32
+        kb_ok = kb < K // _BLOCK
         a = _dequant_tile(xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                           xs_ptr + offs_m[:, None].to(tl.int64) * stride_xsm + kb[None, :],
                           m_ok[:, None] & k_ok[None, :], m_ok[:, None] & kb_ok[None, :], BLOCK_M, BLOCK_K, HW)
@@ -214,14 +233,14 @@ def _grid_moe_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 32)
+    offs_kb = tl.arange(0, BLOCK_K // _BLOCK)
     e64 = expert.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        kb = k0 // 32 + offs_kb
+        kb = k0 // _BLOCK + offs_kb
         k_ok = kk < K
-        kb_ok = kb < K // 32
+        kb_ok = kb < K // _BLOCK
         a = _dequant_tile(aq_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
                           as_ptr + rows[:, None].to(tl.int64) * stride_asm + kb[None, :],
                           s_ok[:, None] & k_ok[None, :], s_ok[:, None] & kb_ok[None, :], BLOCK_M, BLOCK_K, HW)

@@ -28,8 +28,9 @@ Two variants of the inner step (one 32-wide K chunk = one scale per row of each 
   uses it; kept, tested, for other Triton versions.
 
 Scales: E8M0 byte e -> fp32 2^(e-127) is ``max(e << 23, 0x00400000)`` reinterpreted (e = 0 gives
-the subnormal 2^-127 as ``dequantize_blocks`` does); e = 255 (E8M0 NaN, never written by the
-quantizer: a block amax is never NaN) would decode to +inf instead of NaN.
+the subnormal 2^-127 as ``dequantize_blocks`` does), and e = 255 (E8M0 NaN, never written by the
+quantizer: a block amax is never NaN) is selected to ``format.F32_NAN_BITS``, as in
+``format.e8m0_to_float`` and every other kernel (one select per row and 32-chunk).
 
 Launch shape (why it should stream at HBM speed):
 
@@ -88,6 +89,17 @@ from . import interpreting
 from .gemm_triton import _e4m3_to_f32
 from .qdq_triton import _f32_bits_to_bf16_bits
 
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)                  # one K chunk = one scale block
+_WORD_K = tl.constexpr(4 * F.BLOCK_SIZE)             # K covered by one int32 word of 4 scale bytes
+_E8M0_BIAS = tl.constexpr(F.E8M0_BIAS)               # scale byte of 1.0: the neutral value of a masked load
+_E8M0_MIN_BITS = tl.constexpr(F.E8M0_MIN_BITS)
+_E8M0_NAN_FIELD = tl.constexpr(F.E8M0_NAN << F.F32_MAN_BITS)     # byte 255 in the exponent field (= +Inf bits)
+_F32_NAN_BITS = tl.constexpr(F.F32_NAN_BITS)
+_F32_MAN_BITS = tl.constexpr(F.F32_MAN_BITS)
+_F32_EXP_FIELD = tl.constexpr(F.F32_EXP_MASK << F.F32_MAN_BITS)  # 0x7F800000
+_BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
+
 VARIANTS = ("chunk", "deq")
 _VARIANT_ID = {"chunk": 0, "deq": 1}
 
@@ -95,19 +107,22 @@ _VARIANT_ID = {"chunk": 0, "deq": 1}
 @triton.jit
 def _pow2(bits):
     """fp32 2^(e-127) from ``e << 23`` (any int32 whose other bits are 0): e = 0 gives 2^-127 (the
-    subnormal 0x00400000, via an integer max), 1..254 the normal power of two.  e = 255 (an E8M0
-    NaN, which the quantizer never writes: a block amax is never NaN) would give +inf."""
-    return tl.maximum(bits, 0x00400000).to(tl.float32, bitcast=True)
+    subnormal 0x00400000, via an integer max), 1..254 the normal power of two, e = 255 (an E8M0
+    NaN, which the quantizer never writes: a block amax is never NaN) NaN (``format.F32_NAN_BITS``,
+    one select), as ``format.e8m0_to_float`` decodes them."""
+    bits = tl.where(bits == _E8M0_NAN_FIELD, _F32_NAN_BITS, tl.maximum(bits, _E8M0_MIN_BITS))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _word_pow2(word, C: tl.constexpr):
     """Scale byte C (0..3, little-endian) of an int32 word of 4 E8M0 scales -> fp32 2^(e-127).
-    Two integer ops (shift, mask) plus a max: moves the byte straight into the exponent field."""
+    Two integer ops (shift, mask) plus a max and the NaN select: moves the byte straight into the
+    exponent field."""
     if C == 3:
-        b = (word >> 1) & 0x7F800000
+        b = (word >> (8 * 3 - _F32_MAN_BITS)) & _F32_EXP_FIELD
     else:
-        b = (word << (23 - 8 * C)) & 0x7F800000
+        b = (word << (_F32_MAN_BITS - 8 * C)) & _F32_EXP_FIELD
     return _pow2(b)
 
 
@@ -162,7 +177,7 @@ def _store_out(ptrs, v, mask, HW: tl.constexpr):
     if HW or ptrs.dtype.element_ty != tl.bfloat16:
         tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
     else:     # the interpreter's fp32 -> bf16 cast truncates: round on the bits instead
-        bits = tl.where(v != v, 0x7FC0, _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)))
+        bits = tl.where(v != v, _BF16_NAN_BITS, _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)))
         tl.store(ptrs, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
 
 
@@ -181,10 +196,10 @@ def _grid_gemv_kernel(
     pid_n = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, 32)
+    offs_c = tl.arange(0, _BLOCK)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    BLOCK_K: tl.constexpr = CHUNKS * 32
+    BLOCK_K: tl.constexpr = CHUNKS * _BLOCK
     k_per_split = steps_per_split * BLOCK_K       # a multiple of BLOCK_K the compiler can see: aligned 16-B loads
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -200,27 +215,27 @@ def _grid_gemv_kernel(
         # CHUNKS == 4: the 4 scale bytes of a row for one 128-K step are one little-endian int32
         # word (scale tensors viewed as int32).  Prefetched one step ahead (register double buffer).
         # (every split is non-empty; word indices are clamped into the row instead of masked)
-        last_word = (k_end - 1) // 128
-        sx_next = tl.load(xs_rows + k_begin // 128, mask=m_ok, other=0)
-        sw_next = tl.load(ws_rows + k_begin // 128, mask=n_ok, other=0)
+        last_word = (k_end - 1) // _WORD_K
+        sx_next = tl.load(xs_rows + k_begin // _WORD_K, mask=m_ok, other=0)
+        sw_next = tl.load(ws_rows + k_begin // _WORD_K, mask=n_ok, other=0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if SCALE_WORDS:
             sx_word = sx_next
             sw_word = sw_next
-            k1 = tl.minimum((k0 + BLOCK_K) // 128, last_word)    # past the end: reload the last word
+            k1 = tl.minimum((k0 + BLOCK_K) // _WORD_K, last_word)    # past the end: reload the last word
             sx_next = tl.load(xs_rows + k1, mask=m_ok, other=0)
             sw_next = tl.load(ws_rows + k1, mask=n_ok, other=0)
         for c in tl.static_range(CHUNKS):
-            kk = k0 + c * 32 + offs_c
+            kk = k0 + c * _BLOCK + offs_c
             if SCALE_WORDS:
                 fx = _word_pow2(sx_word, c)
                 fw = _word_pow2(sw_word, c)
             else:
                 # a chunk past K (only when K % BLOCK_K != 0) reads the row's last scale byte:
                 # its codes are masked to 0 and 0 times any finite power of two is 0
-                kb = tl.minimum(k0 // 32 + c, K // 32 - 1)
-                fx = _pow2(tl.load(xs_rows + kb, mask=m_ok, other=127).to(tl.int32) << 23)
-                fw = _pow2(tl.load(ws_rows + kb, mask=n_ok, other=127).to(tl.int32) << 23)
+                kb = tl.minimum(k0 // _BLOCK + c, K // _BLOCK - 1)
+                fx = _pow2(tl.load(xs_rows + kb, mask=m_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
+                fw = _pow2(tl.load(ws_rows + kb, mask=n_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
             if EVEN_K:
                 a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
                 if EVEN_N:
@@ -414,7 +429,8 @@ def grid_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     """
     m, k = xq.shape
     n = wq.shape[0]
-    if k % F.BLOCK_SIZE or wq.shape[1] != k or tuple(xs.shape) != (m, k // 32) or tuple(ws.shape) != (n, k // 32):
+    if k % F.BLOCK_SIZE or wq.shape[1] != k or tuple(xs.shape) != (m, k // F.BLOCK_SIZE) \
+            or tuple(ws.shape) != (n, k // F.BLOCK_SIZE):
         raise ValueError(f"grid_gemv: bad shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} "
                          f"wq {tuple(wq.shape)} ws {tuple(ws.shape)}")
     xq, wq = xq.view(torch.uint8), wq.view(torch.uint8)
@@ -440,9 +456,9 @@ def grid_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     if config is None or isinstance(config, str):
         config = choose_config(m, n, k, config, dev)
     cfg = config
-    block_k = 32 * cfg.chunks
+    block_k = F.BLOCK_SIZE * cfg.chunks
     xs_arg, ws_arg, words = xs, ws, False
-    if cfg.chunks == 4 and k % 128 == 0:
+    if cfg.chunks == 4 and k % (4 * F.BLOCK_SIZE) == 0:
         xw, ww = _scale_words(xs), _scale_words(ws)
         if xw is not None and ww is not None:
             xs_arg, ws_arg, words = xw, ww, True

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import format as F
 from . import interpreting
 from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32
 from .qdq_triton import QDQ_CONFIG, QDQ_SMALL_M_CONFIG, _f32_bits_to_bf16_bits, _mul_f32_exact
@@ -52,6 +53,14 @@ try:                                  # libdevice's expf: what torch's CUDA SiLU
     from triton.language.extra import libdevice as _libdevice
 except ImportError:                   # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice as _libdevice
+
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)
+_E4M3_MAX = tl.constexpr(F.E4M3_MAX)
+_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
+_F32_INF_BITS = tl.constexpr(F.F32_INF_BITS)
+_F32_NEG_ZERO_BITS = tl.constexpr(F.F32_NEG_ZERO_BITS)
+_BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
 
 #: the largest number of token slots (tokens x top-k) the one-pass align kernel takes
 ALIGN_MAX_SLOTS = 4096
@@ -165,17 +174,17 @@ def _silu_mul_qdq_kernel(gu_ptr, y_ptr, M, I, stride_gm, stride_ym,
     x = tl.where(p_nan, float("nan"), x)
     xbits = x.to(tl.int32, bitcast=True)
     # --- the value path of qdq_triton._qdq_rows_kernel (bf16 in, bf16 out) ---
-    abits = xbits & 0x7FFFFFFF
-    nan_in = abits > 0x7F800000
+    abits = xbits & _F32_ABS_MASK
+    nan_in = abits > _F32_INF_BITS
     abits = tl.where(nan_in, 0, abits)
-    NB: tl.constexpr = BLOCK_K // 32
-    amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, 32)), axis=2)
+    NB: tl.constexpr = BLOCK_K // _BLOCK
+    amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, _BLOCK)), axis=2)
     e = _e8m0_from_amax_bits(amax, USE_ASM)
-    sc = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
-    d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
+    sc = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
+    d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
     if USE_ASM:
         yv = _mul_f32_exact(x, sc, True)
-        yv = tl.minimum(tl.maximum(yv, -448.0), 448.0)
+        yv = tl.minimum(tl.maximum(yv, -_E4M3_MAX), _E4M3_MAX)
         c = yv.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     else:
         c = _e4m3_to_f32(_encode_e4m3(x, xbits, sc, USE_ASM), USE_ASM)
@@ -184,8 +193,8 @@ def _silu_mul_qdq_kernel(gu_ptr, y_ptr, M, I, stride_gm, stride_ym,
         h = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
     else:
         h = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)).to(tl.int16)
-    neg_zero = xbits == -2147483648
-    out = tl.where(nan_in, 0x7FC0, tl.where(neg_zero, 0, h))
+    neg_zero = xbits == _F32_NEG_ZERO_BITS
+    out = tl.where(nan_in, _BF16_NAN_BITS, tl.where(neg_zero, 0, h))
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], out.to(tl.int16), mask=mask)
 
 
@@ -197,8 +206,8 @@ def silu_mul_qdq(gu: torch.Tensor, intermediate: int) -> torch.Tensor:
     gu2 = gu.reshape(-1, 2 * i)
     if gu2.stride(-1) != 1:
         gu2 = gu2.contiguous()
-    if i % 32:
-        raise ValueError(f"silu_mul_qdq: intermediate size {i} is not a multiple of 32")
+    if i % F.BLOCK_SIZE:
+        raise ValueError(f"silu_mul_qdq: intermediate size {i} is not a multiple of {F.BLOCK_SIZE}")
     m = gu2.shape[0]
     y = torch.empty((m, i), dtype=torch.bfloat16, device=gu.device)
     if m:

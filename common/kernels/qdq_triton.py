@@ -35,7 +35,8 @@ most 4 significant bits whose lowest set bit is >= 2^-9, e the block's scale byt
   ``.to(float16)``, including inf for 448 * 2^8 = 114688).
 
 NaN: an input NaN encodes as 0x7F and decodes to NaN; the kernel writes the canonical quiet
-NaN of the output dtype (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00).  The reference's NaN
+NaN of the output dtype (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00: ``format.F32_NAN_BITS``,
+``BF16_NAN_BITS``, ``FP16_NAN_BITS``).  The reference's NaN
 payload depends on the CPU; tests compare NaN positions, not NaN payloads.
 
 How the values are made bit-exact on both the GPU and Triton's CPU interpreter:
@@ -84,6 +85,18 @@ FP16_EXACT_MAX_SCALE = 134
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)
+_E4M3_MAX = tl.constexpr(F.E4M3_MAX)
+_E8M0_NAN = tl.constexpr(F.E8M0_NAN)                 # larger than every scale a block gets: the min's start
+_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
+_F32_INF_BITS = tl.constexpr(F.F32_INF_BITS)
+_F32_NEG_ZERO_BITS = tl.constexpr(F.F32_NEG_ZERO_BITS)
+_F32_NAN_BITS = tl.constexpr(F.F32_NAN_BITS)
+_BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
+_FP16_NAN_BITS = tl.constexpr(F.FP16_NAN_BITS)
+_BF16_SHIFT = tl.constexpr(16)                       # bf16 is the top half of an fp32
+
 #: (BLOCK_M, BLOCK_K, num_warps): the rowwise quantize kernel's tiles (bench_quantize.py sweep)
 QDQ_CONFIG = (32, 128, 4)
 QDQ_SMALL_M_CONFIG = (16, 128, 4)
@@ -118,24 +131,24 @@ def _qdq_rows_kernel(
     if IN_BF16:
         # bf16 -> fp32 is a 16-bit shift of the bit pattern (exact for subnormals too; the
         # interpreter's bf16 conversion mishandles bf16 subnormals, so do it by hand)
-        xbits = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0).to(tl.int32) << 16
+        xbits = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0).to(tl.int32) << _BF16_SHIFT
         x = xbits.to(tl.float32, bitcast=True)
     else:
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xbits = x.to(tl.int32, bitcast=True)
-    abits = xbits & 0x7FFFFFFF
-    nan_in = abits > 0x7F800000                 # input NaN <=> output NaN (a scale is never NaN)
+    abits = xbits & _F32_ABS_MASK
+    nan_in = abits > _F32_INF_BITS              # input NaN <=> output NaN (a scale is never NaN)
     abits = tl.where(nan_in, 0, abits)
-    NB: tl.constexpr = BLOCK_K // 32
+    NB: tl.constexpr = BLOCK_K // _BLOCK
     # --- quantize: exactly the rowwise path of quantize_triton._mxfp8_quantize_kernel ---
-    amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, 32)), axis=2)
+    amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, _BLOCK)), axis=2)
     e = _e8m0_from_amax_bits(amax, USE_ASM)                                   # (BLOCK_M, NB) int32
-    s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
-    d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
+    s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
+    d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
     sb = pid_k * NB + tl.arange(0, NB)
-    smask = (rows[:, None] < M) & (sb[None, :] < K // 32)
+    smask = (rows[:, None] < M) & (sb[None, :] < K // _BLOCK)
     if TRACK_MIN:
-        tl.atomic_min(min_ptr, tl.min(tl.min(tl.where(smask, e, 255), axis=1), axis=0))
+        tl.atomic_min(min_ptr, tl.min(tl.min(tl.where(smask, e, _E8M0_NAN), axis=1), axis=0))
     if WRITE_CODES or not USE_ASM:
         # the shared encoder (clamp, cvt.rn.satfinite / integer RNE, NaN -> 0x7F, -0.0 -> 0x00)
         q = _encode_e4m3(x, xbits, s, USE_ASM)                                # (BLOCK_M, BLOCK_K) uint8
@@ -149,25 +162,25 @@ def _qdq_rows_kernel(
         # cvt.rn.satfinite.e4m3x2.f32 and back to fp32 (cvt.rn.f16x2.e4m3x2, exact).  NaN and
         # -0.0 are fixed on the output below.  ~16 instructions per element instead of ~32.
         y = _mul_f32_exact(x, s, True)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
         c = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     # --- dequantize: e4m3(q) * 2^(e-127), one IEEE fp32 multiply (exact, see module doc) ---
     v = _mul_f32_exact(c, d, USE_ASM)
-    neg_zero = xbits == -2147483648                                           # exact -0.0 in -> +0.0 out
+    neg_zero = xbits == _F32_NEG_ZERO_BITS                                    # exact -0.0 in -> +0.0 out
     y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols[None, :]
     if OUT_KIND == 0:        # fp32: the product's bits
-        out = tl.where(nan_in, 0x7FC00000, tl.where(neg_zero, 0, v.to(tl.int32, bitcast=True)))
+        out = tl.where(nan_in, _F32_NAN_BITS, tl.where(neg_zero, 0, v.to(tl.int32, bitcast=True)))
         tl.store(y_ptrs, out, mask=mask)
     elif OUT_KIND == 1:      # bf16, round to nearest even (cvt.rn.bf16x2.f32; integer RNE in the interpreter)
         if USE_ASM:
             h = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
         else:
             h = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)).to(tl.int16)
-        out = tl.where(nan_in, 0x7FC0, tl.where(neg_zero, 0, h))
+        out = tl.where(nan_in, _BF16_NAN_BITS, tl.where(neg_zero, 0, h))
         tl.store(y_ptrs, out.to(tl.int16), mask=mask)
     else:                    # fp16: the IEEE cast (RNE, overflow -> inf)
         h = v.to(tl.float16).to(tl.int16, bitcast=True)
-        out = tl.where(nan_in, 0x7E00, tl.where(neg_zero, 0, h))
+        out = tl.where(nan_in, _FP16_NAN_BITS, tl.where(neg_zero, 0, h))
         tl.store(y_ptrs, out.to(tl.int16), mask=mask)
 
 
@@ -201,7 +214,7 @@ def qdq_rows(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None, return_co
         y = torch.empty((m, k), dtype=out_dtype, device=dev)
     q = torch.empty((m, k), dtype=torch.uint8, device=dev) if return_codes else None
     s = torch.empty((m, k // F.BLOCK_SIZE), dtype=torch.uint8, device=dev) if return_codes else None
-    mn = torch.full((1,), 255, dtype=torch.int32, device=dev) if return_min_scale else None
+    mn = torch.full((1,), F.E8M0_NAN, dtype=torch.int32, device=dev) if return_min_scale else None
     if m and k:
         bm, bk, warps = config or (QDQ_SMALL_M_CONFIG if m <= 16 else QDQ_CONFIG)
         ybits = y.view(_BITS_VIEW[out_dtype])

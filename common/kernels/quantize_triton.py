@@ -23,28 +23,57 @@ import triton.language as tl
 from .. import format as F
 from . import interpreting
 
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)
+_E4M3_MAX = tl.constexpr(F.E4M3_MAX)
+_E4M3_NAN_BYTE = tl.constexpr(F.E4M3_NAN_BYTE)
+_E4M3_SIGN_MASK = tl.constexpr(F.E4M3_SIGN_MASK)
+_F32_MAN_BITS = tl.constexpr(F.F32_MAN_BITS)
+_F32_MAN_MASK = tl.constexpr(F.F32_MAN_MASK)
+_F32_EXP_MASK = tl.constexpr(F.F32_EXP_MASK)
+_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
+_F32_INF_BITS = tl.constexpr(F.F32_INF_BITS)
+_F32_NEG_ZERO_BITS = tl.constexpr(F.F32_NEG_ZERO_BITS)
+_F32_NAN_BITS = tl.constexpr(F.F32_NAN_BITS)
+_E8M0_NAN = tl.constexpr(F.E8M0_NAN)
+_E8M0_MAX = tl.constexpr(F.E8M0_MAX)
+_E8M0_INF_BLOCK = tl.constexpr(F.E8M0_INF_BLOCK)
+_E8M0_MIN_BITS = tl.constexpr(F.E8M0_MIN_BITS)
+_RCP_EXP = tl.constexpr(2 * F.E8M0_BIAS)             # 2^(127 - (e - 127)) has exponent field 254 - e
+_RCP_E4M3 = tl.constexpr(F.RCP_E4M3)                 # the fp32 value of RCP_E4M3_BITS (exact as a Python float)
+_RCP_MUL_ASM = tl.constexpr(f"mul.rn.f32 $0, $1, 0f{F.RCP_E4M3_BITS:08X};")
+# integer E4M3 round-to-nearest-even (software path): fp32 bits dropped, exponent rebias,
+# smallest normal, and the subnormal grid (2^-9) as a power of two to scale onto integers
+_E4M3_DROP = tl.constexpr(F.F32_MAN_BITS - F.E4M3_MAN_BITS)                      # 20
+_E4M3_REBIAS = tl.constexpr((F.F32_BIAS - F.E4M3_BIAS) << F.E4M3_MAN_BITS)       # (127 - 7) << 3
+_E4M3_MIN_NORMAL_BITS = tl.constexpr((F.F32_BIAS + F.E4M3_MIN_NORMAL_EXP) << F.F32_MAN_BITS)   # 121 << 23
+_E4M3_RND = tl.constexpr((1 << (F.F32_MAN_BITS - F.E4M3_MAN_BITS - 1)) - 1)      # 0x7FFFF: just under half an E4M3 ulp
+_E4M3_SUB_SCALE = tl.constexpr(1.0 / F.E4M3_SUBNORMAL_UNIT)                     # 512.0
+_F32_RINT = tl.constexpr(float(1 << F.F32_MAN_BITS))                            # 2^23: x + 2^23 - 2^23 rounds to an integer
+_F32_SIGN_TO_E4M3 = tl.constexpr(32 - 8)             # fp32 sign bit 31 -> E4M3 sign bit 7
+
 
 @triton.jit
 def _e8m0_from_amax_bits(amax_bits, USE_ASM: tl.constexpr):
     if USE_ASM:
         v = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, 0f3B124925;", "=r,r", [amax_bits],
+            _RCP_MUL_ASM, "=r,r", [amax_bits],
             dtype=tl.int32, is_pure=True, pack=1)
     else:
-        v = (amax_bits.to(tl.float32, bitcast=True) * 0.002232142857142857).to(tl.int32, bitcast=True)
-    exp = (v >> 23) & 0xFF
-    man = v & 0x7FFFFF
-    up = (man != 0) & (exp != 0xFE) & ((exp != 0) | (man > 0x400000))
+        v = (amax_bits.to(tl.float32, bitcast=True) * _RCP_E4M3).to(tl.int32, bitcast=True)
+    exp = (v >> _F32_MAN_BITS) & _F32_EXP_MASK
+    man = v & _F32_MAN_MASK
+    up = (man != 0) & (exp != _E8M0_MAX) & ((exp != 0) | (man > _E8M0_MIN_BITS))
     e = exp + up.to(tl.int32)
-    e = tl.where(exp == 0xFF, tl.where(man != 0, 255, 254), e)
+    e = tl.where(exp == _F32_EXP_MASK, tl.where(man != 0, _E8M0_NAN, _E8M0_INF_BLOCK), e)
     return e
 
 
 @triton.jit
 def _scale_reciprocal(e):
-    bits = (254 - e) << 23
-    bits = tl.where(e == 254, 0x00400000, bits)
-    bits = tl.where(e == 255, 0x7FFFFFFF, bits)
+    bits = (_RCP_EXP - e) << _F32_MAN_BITS
+    bits = tl.where(e == _E8M0_INF_BLOCK, _E8M0_MIN_BITS, bits)
+    bits = tl.where(e == _E8M0_NAN, _F32_NAN_BITS, bits)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -53,24 +82,24 @@ def _e4m3_rne_software(y):
     # Integer round-to-nearest-even to E4M3 of a clamped, non-NaN fp32 (Triton's CPU
     # interpreter does not round its float8 casts this way; the GPU uses the cvt).
     a = y.to(tl.int32, bitcast=True)
-    sign = (a >> 24) & 0x80
-    a = a & 0x7FFFFFFF
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    t = a.to(tl.float32, bitcast=True) * 512.0
-    sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
-    return tl.where(a >= (121 << 23), normal, sub) | sign
+    sign = (a >> _F32_SIGN_TO_E4M3) & _E4M3_SIGN_MASK
+    a = a & _F32_ABS_MASK
+    normal = ((a + _E4M3_RND + ((a >> _E4M3_DROP) & 1)) >> _E4M3_DROP) - _E4M3_REBIAS
+    t = a.to(tl.float32, bitcast=True) * _E4M3_SUB_SCALE
+    sub = ((t + _F32_RINT) - _F32_RINT).to(tl.int32)
+    return tl.where(a >= _E4M3_MIN_NORMAL_BITS, normal, sub) | sign
 
 
 @triton.jit
 def _encode_e4m3(x, xbits, s, USE_ASM: tl.constexpr):
     y = x * s
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
     if USE_ASM:
         q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         q = _e4m3_rne_software(y)
-    q = tl.where(x != x, 0x7F, q)
-    q = tl.where(xbits == -2147483648, 0, q)
+    q = tl.where(x != x, _E4M3_NAN_BYTE, q)
+    q = tl.where(xbits == _F32_NEG_ZERO_BITS, 0, q)
     return q.to(tl.uint8)
 
 
@@ -89,26 +118,26 @@ def _mxfp8_quantize_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xbits = x.to(tl.int32, bitcast=True)
-    abits = xbits & 0x7FFFFFFF
-    abits = tl.where(abits > 0x7F800000, 0, abits)
+    abits = xbits & _F32_ABS_MASK
+    abits = tl.where(abits > _F32_INF_BITS, 0, abits)
     out_off = rows64[:, None] * K + cols[None, :]
-    NB: tl.constexpr = BLOCK_K // 32
+    NB: tl.constexpr = BLOCK_K // _BLOCK
     if ROWWISE:
-        amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, 32)), axis=2)
+        amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, _BLOCK)), axis=2)
         e = _e8m0_from_amax_bits(amax, USE_ASM)
-        s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
+        s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
         tl.store(rq_ptr + out_off, _encode_e4m3(x, xbits, s, USE_ASM), mask=mask)
         sb = pid_k * NB + tl.arange(0, NB)
-        smask = (rows[:, None] < M) & (sb[None, :] < K // 32)
+        smask = (rows[:, None] < M) & (sb[None, :] < K // _BLOCK)
         tl.store(rs_ptr + rows64[:, None] * stride_rs + sb[None, :], e.to(tl.uint8), mask=smask)
     if COLWISE:
-        MB: tl.constexpr = BLOCK_M // 32
-        amax = tl.max(tl.reshape(abits, (MB, 32, BLOCK_K)), axis=1)
+        MB: tl.constexpr = BLOCK_M // _BLOCK
+        amax = tl.max(tl.reshape(abits, (MB, _BLOCK, BLOCK_K)), axis=1)
         e = _e8m0_from_amax_bits(amax, USE_ASM)
-        s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, None, :], (MB, 32, BLOCK_K)), (BLOCK_M, BLOCK_K))
+        s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, None, :], (MB, _BLOCK, BLOCK_K)), (BLOCK_M, BLOCK_K))
         tl.store(cq_ptr + out_off, _encode_e4m3(x, xbits, s, USE_ASM), mask=mask)
         rb = pid_m * MB + tl.arange(0, MB)
-        cmask = (rb[:, None] < M // 32) & (cols[None, :] < K)
+        cmask = (rb[:, None] < M // _BLOCK) & (cols[None, :] < K)
         tl.store(cs_ptr + rb[:, None].to(tl.int64) * stride_cs + cols[None, :], e.to(tl.uint8), mask=cmask)
 
 

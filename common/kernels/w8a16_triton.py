@@ -36,6 +36,14 @@ from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32
 from .qdq_triton import _f32_bits_to_bf16_bits, _mul_f32_exact
 
 
+# format rules as Triton compile-time constants (jit code may read only constexpr globals)
+_BLOCK = tl.constexpr(F.BLOCK_SIZE)
+_SCALES_PER_WORD = tl.constexpr(4)                   # E8M0 bytes in one int32 scale word
+_E8M0_BYTE_MASK = tl.constexpr(F.E8M0_BYTE_MASK)     # one E8M0 byte of the word
+#: a masked-off scale word: four bytes of E8M0_BIAS (2^0)
+_E8M0_ONE_WORD = tl.constexpr(F.E8M0_BIAS * 0x01010101)
+
+
 @triton.jit
 def _bf16_bits_to_f32(h):
     """int16 bf16 bit patterns -> fp32 (exact, by shifting)."""
@@ -51,7 +59,7 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, p_ptr,
     x_ptr: bf16 (HW) or its int16 bit patterns (interpreter); s_ptr: the E8M0 scales as int32 words,
     four 32-blocks (one K step) per word, so that the scale load is a 4-byte copy the pipeliner can
     make asynchronous like the code and activation tiles."""
-    BLOCK_K: tl.constexpr = 128
+    BLOCK_K: tl.constexpr = _SCALES_PER_WORD * _BLOCK
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -64,14 +72,15 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, p_ptr,
     q_base = q_ptr + rn[:, None].to(tl.int64) * stride_qn
     s_base = s_ptr + rn.to(tl.int64) * stride_sn
     x_base = x_ptr + rm[None, :].to(tl.int64) * stride_xm
-    shifts = tl.arange(0, 4) * 8
+    shifts = tl.arange(0, _SCALES_PER_WORD) * 8
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(q_base + kk[None, :], mask=n_ok[:, None], other=0)
-        word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=0x7F7F7F7F)
-        e = (word[:, None] >> shifts[None, :]) & 0xFF                          # [BLOCK_N, 4] scale bytes
-        d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, 4, 32)), (BLOCK_N, BLOCK_K))
+        word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
+        e = (word[:, None] >> shifts[None, :]) & _E8M0_BYTE_MASK               # [BLOCK_N, 4] scale bytes
+        d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
+                       (BLOCK_N, BLOCK_K))
         v = _mul_f32_exact(_e4m3_to_f32(q, HW), d, HW)
         h = tl.load(x_base + kk[:, None], mask=m_ok[None, :], other=0)          # [BLOCK_K, BLOCK_M]
         if HW:
@@ -107,7 +116,7 @@ def _splitk_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 
 
 #: the K step of the kernel: four E8M0 scale bytes, read as one int32 word
-BLOCK_K = 128
+BLOCK_K = 4 * F.BLOCK_SIZE
 
 
 def w8a16_shape_ok(k: int) -> bool:
