@@ -8,9 +8,11 @@ Keys (all optional)::
     emulate: fp8_per_tensor | fp8_block128                      # vLLM, consistency study only
     kernel: auto | marlin | w8a16 | triton | torch              # force one kernel (common.grid_kernels)
     prefill_crossover: 1024                                     # rows from which dense layers use dequant + cuBLAS
-    gemv_rows: 16                                               # rows 1 ... R: the decode GEMV (off: 0; at most 64)
-    moe_gemv_slots: 64                                          # MoE: up to S routed slots (tokens x top-k) by the
-                                                                # expert GEMV (off: 0; at most 1024)
+    gemv_rows: 8                                                # rows 1 ... R: the decode GEMV (off: 0; at most 64;
+                                                                # default: 0 with Marlin, 8 with w8a16 -- measured)
+    moe_gemv_slots: 128                                         # MoE: up to S routed slots (tokens x top-k) by the
+                                                                # expert GEMV (off: 0; at most 1024; default: 0 with
+                                                                # Marlin MoE, 128 with the Triton MoE -- measured)
     w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)

@@ -261,7 +261,7 @@ BF16_COPY = textwrap.dedent("""
 
     lay = layer_of(1)
     spec = LayerSpec(prefix="t", kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=n, k=k,
-                     options={"bf16_weight_rows": 8})
+                     options={"bf16_weight_rows": 8, "gemv_rows": 0})
     kern = W8A16Linear(spec)          # the interpreter stands in for the GPU: construct, not choose
     lay.grid_kernel = kern
     kern.process_weights_after_loading(lay)
@@ -326,6 +326,9 @@ GEMV_BAND = textwrap.dedent("""
     kern = W8A16Linear(spec)          # the interpreter stands in for the GPU: construct, not choose
     kern.process_weights_after_loading(lay)
     assert kern.gemv_rows == 4 and "gemv (M <= 4)" in kern.describe() and kern.derived_names(lay) == ()
+    from mxfp8_learner_grid.common.grid_kernels.w8a16 import DEFAULT_GEMV_ROWS
+    dflt = W8A16Linear(LayerSpec(prefix="t", kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=n, k=k))
+    assert dflt.gemv_rows == DEFAULT_GEMV_ROWS == 8                 # the measured default of this kernel
     w = dequantize_blocks(lay.weight, lay.weight_scale_inv)
     calls = []
     import mxfp8_learner_grid.common.kernels.gemv_triton as GV

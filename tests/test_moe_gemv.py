@@ -73,3 +73,25 @@ def test_moe_gemv_slots_option():
     for bad in (-1, True, "64", 1025, 2.0):
         with pytest.raises(ValueError, match="moe_gemv_slots"):
             GridOptions.from_dict({"moe_gemv_slots": bad})
+
+
+def test_measured_defaults_per_kernel():
+    """The expert GEMV is on by default where it measured faster (the Triton MoE: SGLang's), off where
+    Marlin MoE measured faster; the option overrides both, 0 turns it off."""
+    pytest.importorskip("triton")
+    import torch
+    from mxfp8_learner_grid.common.grid_kernels import LayerSpec
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import MarlinMoE
+    from mxfp8_learner_grid.common.grid_kernels.moe_gemv import TRITON_MOE_DEFAULT_SLOTS
+    from mxfp8_learner_grid.common.grid_kernels.portable import TritonMoE
+
+    def spec(**opts):
+        return LayerSpec(prefix="moe", kind="moe", device_type="cuda", act_dtype=torch.bfloat16, n=1536, k=2048,
+                         intermediate=768, num_experts=128, options=opts)
+    assert TritonMoE(spec()).gemv_slots == TRITON_MOE_DEFAULT_SLOTS == 128
+    assert "expert GEMV (slots <= 128)" in TritonMoE(spec()).describe()
+    assert TritonMoE(spec(moe_gemv_slots=0)).gemv_slots == 0
+    assert MarlinMoE(spec()).gemv_slots == 0 and MarlinMoE(spec(moe_gemv_slots=64)).gemv_slots == 64
+    odd = LayerSpec(prefix="moe", kind="moe", device_type="cuda", act_dtype=torch.bfloat16, n=192, k=2048,
+                    intermediate=96, num_experts=8)
+    assert TritonMoE(odd).gemv_slots == 0          # intermediate 96: not a multiple of 128, the GEMV declines

@@ -19,8 +19,10 @@ Options (all optional)::
                                    # (common/emulation.py; fp8_per_tensor | fp8_block128), BF16 weights
     kernel: auto                   # or marlin | w8a16 | triton | torch: force one grid kernel (common/grid_kernels)
     prefill_crossover: 256         # rows from which dense layers switch Marlin -> W decode + cuBLAS
-    gemv_rows: 16                  # rows 1 ... R: dense layers use the decode GEMV (gemv_triton; 0: off, max 64)
-    moe_gemv_slots: 64             # MoE: up to S routed slots (tokens x top-k) by the expert GEMV (0: off)
+    gemv_rows: 8                   # rows 1 ... R: dense layers use the decode GEMV (gemv_triton; max 64; default 0
+                                   # with Marlin, which measured faster at every M on the H200; 8 with w8a16)
+    moe_gemv_slots: 128            # MoE: up to S routed slots (tokens x top-k) by the expert GEMV (default 0 with
+                                   # Marlin MoE, which measured faster; 128 with the Triton MoE)
     w8a16_rows: [17, 256]          # rows [lo, hi) for which dense layers use the W8A16 Triton GEMM ([]: off)
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
                                    # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)

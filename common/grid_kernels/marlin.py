@@ -79,9 +79,11 @@ def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
 GEMV_MAX_ROWS = 64
 
 
-def gemv_band(spec: LayerSpec) -> int:
-    """Option ``gemv_rows: R``: rows 1 ... R go to the decode GEMV (0: off)."""
-    return int(spec.options.get("gemv_rows", 0) or 0)
+def gemv_band(spec: LayerSpec, default: int = 0) -> int:
+    """Option ``gemv_rows: R``: rows 1 ... R go to the decode GEMV (0: off); ``default`` where the
+    option is not given (the kernel's measured crossover)."""
+    rows = spec.options.get("gemv_rows")
+    return int(default if rows is None else rows)
 
 
 def grid_gemv_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,19 @@ import torch
 MOE_GEMV_MAX_SLOTS = 1024
 
 
-def moe_gemv_slots(spec) -> int:
-    """Option ``moe_gemv_slots: S`` (0: off) -- 0 as well where the kernel cannot take the shape."""
+#: the Triton MoE kernel's default: measured on the H200 (benchmarks/bench_moe.py, Qwen3-30B-A3B experts,
+#: commit e709ed0, 2026-12-01) the expert GEMV beats the Triton grouped GEMM at M = 1 ... 16 tokens of top-8
+#: (41.1 against 148.9 us at M = 1, 229.9 against 290.5 at M = 16) and loses at M = 32 (421.1 against 369.9).
+#: Marlin MoE beats the expert GEMV at every M (36.5 against 41.1 us at M = 1): its default stays 0.
+TRITON_MOE_DEFAULT_SLOTS = 128
+
+
+def moe_gemv_slots(spec, default: int = 0) -> int:
+    """Option ``moe_gemv_slots: S`` (0: off; ``default`` where the option is not given) -- 0 as well
+    where the kernel cannot take the shape."""
     from ..kernels.moe_gemv_triton import moe_gemv_shape_ok
-    s = int(spec.options.get("moe_gemv_slots", 0) or 0)
+    given = spec.options.get("moe_gemv_slots")
+    s = int(default if given is None else given)
     return s if s and moe_gemv_shape_ok(spec.k) and moe_gemv_shape_ok(spec.intermediate) else 0
 
 

@@ -130,8 +130,8 @@ class TritonMoE(TorchMoE):
 
     def __init__(self, spec: LayerSpec):
         super().__init__(spec)
-        from .moe_gemv import moe_gemv_slots
-        self.gemv_slots = moe_gemv_slots(spec)
+        from .moe_gemv import TRITON_MOE_DEFAULT_SLOTS, moe_gemv_slots
+        self.gemv_slots = moe_gemv_slots(spec, TRITON_MOE_DEFAULT_SLOTS)
 
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
         return torch.ops.mxfp8_learner_grid.moe(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,

@@ -1,7 +1,7 @@
 """The dense grid Linear with nothing from an engine and nothing derived: activation qdq, then the
 project's swapped W8A16 Triton GEMM (``kernels/w8a16_triton``) below ``prefill_crossover`` rows and
-W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``); with the option
-``gemv_rows: R``, rows 1 ... R go to the decode GEMV (``marlin.grid_gemv_linear``).
+W decoded to a bf16 scratch + cuBLAS from there (``marlin.dequant_cublas``); rows 1 ... ``gemv_rows``
+(default :data:`DEFAULT_GEMV_ROWS`, measured) go to the decode GEMV (``marlin.grid_gemv_linear``).
 
 It reads the layer's own fp8 codes and E8M0 scales, so a weight update needs no repack and the
 ``derived_state`` check has nothing to rebuild for it -- unless the option ``bf16_weight_rows``
@@ -52,6 +52,12 @@ def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0, gemv_row
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+#: rows 1 ... 8 take the decode GEMV by default: measured on the H200 (benchmarks/bench_fast_path.py, commit
+#: e709ed0, 2026-12-01), summed over the Qwen3-8B and -30B-A3B projections the GEMV beats this W8A16 GEMM
+#: at M = 1, 2, 4, 8 (139.7 against 151.1 us at M = 1) and loses from M = 16 (157.1 against 155.0)
+DEFAULT_GEMV_ROWS = 8
+
+
 class W8A16Linear(GridKernel):
     name = "w8a16"
     kind = "linear"
@@ -75,7 +81,7 @@ class W8A16Linear(GridKernel):
         super().__init__(spec)
         self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
         self.bf16_copy = Bf16WeightCopy(spec)
-        self.gemv_rows = gemv_band(spec)
+        self.gemv_rows = gemv_band(spec, DEFAULT_GEMV_ROWS)
 
     def derived_names(self, layer):
         return self.bf16_copy.names()
