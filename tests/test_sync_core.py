@@ -398,6 +398,13 @@ def test_protocol_checks_calls_and_maps_errors(monkeypatch, tmp_path):
     assert exc.value.problems == {"layout": ["x"]}
     with pytest.raises(RuntimeError, match="HTTP 404"):
         raise_error(404, {"error": "no route"}, "/grid/x")
+    from mxfp8_learner_grid.common.sync.protocol import check_bearer
+    check_bearer("Bearer k1", {"k0", "k1"})
+    check_bearer("", set())                          # no key configured: loopback rules apply elsewhere
+    for wrong in ("Bearer k", "Bearer k1 ", "k1", "", None):
+        with pytest.raises(BadRequest, match="API key") as exc:
+            check_bearer(wrong, {"k0", "k1"})
+        assert exc.value.status == 401
 
 
 def test_bridge_outcomes_and_reply_files(monkeypatch, tmp_path):

@@ -10,6 +10,7 @@ allowed; a manifest that parses), and how an error maps to a status code and a b
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import tempfile
@@ -107,8 +108,12 @@ def check_call(body, allowed=METHODS + (NCCL_INIT,)) -> tuple[str, list]:
 
 
 def check_bearer(authorization: str, keys: set) -> None:
-    """With API keys configured, the request must carry ``Authorization: Bearer <one of them>``."""
-    if keys and authorization not in {f"Bearer {k}" for k in keys}:
+    """With API keys configured, the request must carry ``Authorization: Bearer <one of them>``
+    (compared in constant time: the answer's timing says nothing about how much of a key matched)."""
+    if not keys:
+        return
+    given = (authorization or "").encode()
+    if not any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys):
         raise BadRequest(401, "weight updates need the server's API key")
 
 
