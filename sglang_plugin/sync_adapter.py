@@ -23,7 +23,6 @@ SGLang versions: 0.5.17's linear layers keep ``tp_rank`` / ``tp_size``; 0.5.23's
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
 import torch
 
@@ -31,13 +30,11 @@ from mxfp8_learner_grid.common.loading import writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.grid_kernels.layers import register_kernel_derived
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
-from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
+from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin, LinearFacts
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
 from . import compat
 
-_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-_MERGED = ("gate_proj", "up_proj")
 _KV_PARAMS = ("k_scale", "v_scale")
 
 
@@ -127,31 +124,19 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         return {n: p for n, p in params.items() if not n.endswith(_KV_PARAMS)}
 
     # -- layout: what SGLang's loader must have done -----------------------------------------
-    def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
+    def _linear_facts(self, layer) -> LinearFacts:
         from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-        n, kk = layer.weight.shape
-        k = kk // div
-        short = source.rsplit(".", 2)[-2]
         if isinstance(layer, QKVParallelLinear):
-            shard = _QKV.get(short)
-            if shard is None:
-                return None
-            q = layer.num_heads * layer.head_size
-            kv = layer.num_kv_heads * layer.head_size
-            v = layer.num_kv_heads * getattr(layer, "v_head_size", layer.head_size)
-            off, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, v)}[shard]
-            r = _tp(layer)[0] if shard == "q" else _tp(layer, kv=True)[0] // layer.num_kv_head_replicas
-            return ((r * size, size), (0, k)), ((off, size), (0, k))
-        if isinstance(layer, MergedColumnParallelLinear):
-            if short not in _MERGED:
-                return None
-            i = _MERGED.index(short)
             rank, size = _tp(layer)
-            local = [s // size for s in layer.output_sizes]
-            return ((rank * local[i], local[i]), (0, k)), ((sum(local[:i]), local[i]), (0, k))
+            return LinearFacts("qkv", rank, size, layer.num_heads, layer.num_kv_heads, layer.head_size,
+                               getattr(layer, "v_head_size", layer.head_size), _tp(layer, kv=True)[0],
+                               layer.num_kv_head_replicas)
+        if isinstance(layer, MergedColumnParallelLinear):
+            rank, size = _tp(layer)
+            return LinearFacts("merged", rank, size, output_sizes=tuple(layer.output_sizes))
         if isinstance(layer, RowParallelLinear):
-            return ((0, n), (_tp(layer)[0] * k, k)), ((0, n), (0, k))
-        return ((0, n), (0, k)), ((0, n), (0, k))
+            return LinearFacts("row", *_tp(layer))
+        return LinearFacts("plain")
 
     def _moe_tp_rank(self, layer) -> int:
         return int(getattr(layer, "moe_tp_rank", 0))

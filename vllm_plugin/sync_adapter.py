@@ -10,20 +10,17 @@ must have received exactly once.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 
 from mxfp8_learner_grid.common.loading import writes
 from mxfp8_learner_grid.common.selection import ModuleSelection
 from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
-from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin
+from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin, LinearFacts
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
 
 
-
-_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 
 
 class VLLMAdapter(GridLayoutMixin, EngineAdapter):
@@ -106,34 +103,18 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
         return {n: p for n, p in params.items() if not n.endswith(skip)}
 
     # -- layout: what vLLM's loader must have done ------------------------------------------
-    def _dense_boxes(self, layer, source: str, div: int) -> Optional[tuple]:
+    def _linear_facts(self, layer) -> LinearFacts:
         from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                        RowParallelLinear)
-        n, kk = layer.weight.shape
-        k = kk // div
         if isinstance(layer, QKVParallelLinear):
-            short = source.rsplit(".", 2)[-2]
-            shard = _QKV.get(short)
-            if shard is None:
-                return None
-            hd = layer.head_size
-            q, kv = layer.num_heads * hd, layer.num_kv_heads * layer.head_size
-            off = {"q": 0, "k": q, "v": q + kv}[shard]
-            size = q if shard == "q" else kv
-            r = layer.tp_rank if shard == "q" else layer.tp_rank // layer.num_kv_head_replicas
-            return ((r * size, size), (0, k)), ((off, size), (0, k))
+            return LinearFacts("qkv", layer.tp_rank, layer.tp_size, layer.num_heads, layer.num_kv_heads,
+                               layer.head_size, getattr(layer, "v_head_size", layer.head_size), layer.tp_rank,
+                               layer.num_kv_head_replicas)
         if isinstance(layer, MergedColumnParallelLinear):
-            short = source.rsplit(".", 2)[-2]
-            names = ("gate_proj", "up_proj")
-            if short not in names:
-                return None
-            i = names.index(short)
-            local = [s // layer.tp_size for s in layer.output_sizes]
-            off = sum(local[:i])
-            return ((layer.tp_rank * local[i], local[i]), (0, k)), ((off, local[i]), (0, k))
+            return LinearFacts("merged", layer.tp_rank, layer.tp_size, output_sizes=tuple(layer.output_sizes))
         if isinstance(layer, RowParallelLinear):
-            return ((0, n), (layer.tp_rank * k, k)), ((0, n), (0, k))
-        return ((0, n), (0, k)), ((0, n), (0, k))
+            return LinearFacts("row", layer.tp_rank, layer.tp_size)
+        return LinearFacts("plain")
 
     def _moe_tp_rank(self, layer) -> int:
         return int(getattr(layer.moe_config, "tp_rank", 0))
