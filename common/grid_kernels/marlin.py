@@ -10,8 +10,8 @@ summation order -- the tolerance TE's own GEMMs have.
 The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a16_rows``,
 ``prefill_crossover`` and ``bf16_weight_rows``):
 
-* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales and the project's
-  split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
+* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales (inside the GEMV's
+  own launch up to 16 rows) and the project's split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
   the per-32 scales applied to each chunk's FP32 partial sum, deterministic in-launch split-K
   reduction) -- :func:`gemv_band`;
 * M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
@@ -86,10 +86,19 @@ def gemv_band(spec: LayerSpec, default: int = 0) -> int:
     return int(default if rows is None else rows)
 
 
+#: rows up to which the decode GEMV quantizes x inside its own launch (``gemv_triton.grid_gemv_rows``:
+#: one launch instead of two; each program re-quantizes the <= 16 x rows of its K range, a small
+#: cost next to the weight chunk); above it, one quantize pass first (``quantize_rows_triton``)
+GEMV_FUSED_ROWS = 16
+
+
 def grid_gemv_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x2 (bf16 rows) on the grid by the decode GEMV: x quantized TE-exactly (codes + E8M0 scales, one
-    Triton pass), then ``grid_gemv`` on the layer's own fp8 codes and scales, bf16 out."""
-    from ..kernels.gemv_triton import grid_gemv
+    """x2 (bf16 rows) on the grid by the decode GEMV on the layer's own fp8 codes and scales, bf16 out:
+    x quantized TE-exactly inside the GEMV (M <= GEMV_FUSED_ROWS), else codes + E8M0 scales by one
+    Triton pass, then ``grid_gemv`` -- the same bits either way."""
+    from ..kernels.gemv_triton import grid_gemv, grid_gemv_rows
+    if x2.shape[0] <= GEMV_FUSED_ROWS:
+        return grid_gemv_rows(x2, weight, weight_scale_inv, None, torch.bfloat16, config="auto")
     from ..kernels.quantize_triton import quantize_rows_triton
     xq, xs = quantize_rows_triton(x2)
     return grid_gemv(xq, xs, weight, weight_scale_inv, None, torch.bfloat16, config="auto")   # no env read per call
