@@ -11,7 +11,9 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_triton   the previous grid path (quantize + Triton grid GEMM)
   grid_w8a16    ours: qdq(x) + the swapped W8A16 Triton GEMM (kernels/w8a16_triton, its default config)
   grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
-  grid_gemv     ours with option gemv_rows (M <= 64): x quantized to codes + scales + the decode GEMV (kernels/gemv_triton)
+  grid_gemv     ours with option gemv_rows (M <= 64): the decode GEMV (kernels/gemv_triton), x quantized inside
+                its launch up to marlin.GEMV_FUSED_ROWS rows (grid_gemv_rows), else by a quantize pass first
+  grid_gemv2    the GEMV always after a separate quantize pass (quantize_rows_triton + grid_gemv): the fusion's gain
 
 ``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
 stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
@@ -99,10 +101,13 @@ def main():
     ops = providers.get("marlin")
     assert ops is not None, "vLLM's Marlin ops are needed"
     from mxfp8_learner_grid.common.kernels.gemm_triton import grid_gemm
+    from mxfp8_learner_grid.common.kernels.gemv_triton import grid_gemv
+    from mxfp8_learner_grid.common.kernels.quantize_triton import quantize_rows_triton
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
     from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_config, w8a16_gemm
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     total = {}                                    # (m, arm) -> summed us over the shapes
+    best_cfg = {}                                 # m -> shape -> (the fastest exact W8A16 config, us)
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__}
     out = open(args.out, "w")
@@ -125,7 +130,7 @@ def main():
             for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w),
                                ("grid_bf16copy", lay_b), ("grid_gemv", lay_g)):
                 if name == "grid_gemv" and m > 64:
-                    failed.add(name)
+                    failed |= {name, "grid_gemv2"}
                     continue
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
@@ -157,13 +162,25 @@ def main():
                 "grid_w8a16": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_w],
                 "grid_bf16copy": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_b],
                 "grid_gemv": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_g],
+                "grid_gemv2": [lambda l=l: grid_gemv(*quantize_rows_triton(x), l.weight, l.weight_scale_inv, None,
+                                                     torch.bfloat16, config="auto") for l in lay_g],
             }
             if args.arms:
                 keep = set(args.arms.split(",")) | {"bf16"}
                 arms = {a: f for a, f in arms.items() if a in keep}
             arms = {a: f for a, f in arms.items() if a not in failed}
             if args.w8a16_sweep and "grid_w8a16" not in failed and m in set(map(int, args.sweep_ms.split(","))):
+                lay = lay_w[0]
+                ref = (dequantize_blocks(*quantize_rows(x)).double()
+                       @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
                 for cfg in sweep_configs(m, n, k, sms, w8a16_config(m, n, k, sms)):
+                    try:       # a config counts only if it is on the grid (the exact sum rounded once)
+                        y = w8a16_gemm(qdq_rows(x, torch.bfloat16), lay.weight, lay.weight_scale_inv, cfg)
+                        eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+                        assert eq >= 0.99, f"only {eq:.4f} of elements equal the exact result"
+                    except Exception as exc:
+                        print(f"{sname} M={m} w8a16:{cfg} NOT TIMED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                        continue
                     arms["w8a16:" + ",".join(map(str, cfg))] = [
                         lambda l=l, c=cfg: w8a16_gemm(qdq_rows(x, torch.bfloat16), l.weight, l.weight_scale_inv, c)
                         for l in lay_w]
@@ -185,12 +202,13 @@ def main():
             sw = {a: t for a, t in us.items() if a.startswith("w8a16:") and t}
             if sw:
                 a = min(sw, key=sw.get)
+                best_cfg.setdefault(m, {})[sname] = (a[6:], sw[a])
                 print(f"{sname:11s} M={m:5d} best w8a16 config {a[6:]}: {sw[a]:.1f} us "
                       f"(default {us.get('grid_w8a16') or 0:.1f}, marlin {us.get('grid_marlin') or 0:.1f})", flush=True)
             best[m] = us
             times = " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
             ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16",
-                                                                         "grid_bf16copy", "grid_gemv")
+                                                                         "grid_bf16copy", "grid_gemv", "grid_gemv2")
                               if us.get(a))
             print(f"{sname:11s} M={m:5d} {times}  | {ratios}", flush=True)
         cross = [m for m, u in best.items()
@@ -216,8 +234,13 @@ def main():
     print("summed over shapes, us: " + "; ".join(
         f"M={m}: marlin {total.get((m, 'grid_marlin'), 0):.1f} w8a16 {total.get((m, 'grid_w8a16'), 0):.1f} "
         f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} gemv {total.get((m, 'grid_gemv'), 0):.1f} "
+        f"gemv2 {total.get((m, 'grid_gemv2'), 0):.1f} "
         f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
     print(f"W8A16_BAND {json.dumps(band)}", flush=True)
+    for m, per in sorted(best_cfg.items()):       # what a per-shape config table would reach
+        print(f"W8A16_BEST M={m}: summed {sum(t for _, t in per.values()):.1f} us (marlin "
+              f"{total.get((m, 'grid_marlin'), 0):.1f}, bf16 {total.get((m, 'bf16'), 0):.1f}); "
+              + "; ".join(f"{sh} {c} {t:.1f}" for sh, (c, t) in per.items()), flush=True)
     if args.band_out:
         with open(args.band_out, "w") as f:
             json.dump({"w8a16_rows": band}, f)
@@ -233,17 +256,18 @@ def main():
 
 
 def sweep_configs(m, n, k, sms, default):
-    """A few W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages): tile widths,
-    token tile, split-K (deterministic), warps and stages."""
+    """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages): weight-row tiles of
+    64 (one warpgroup), 128 and 256 (two warpgroups: fewer re-reads of the x tile from L2 per weight
+    byte), split-K 1 / 2 (deterministic), 3 or 4 stages."""
     out = {tuple(default)}
-    for bn in (64, 128):
-        for bm in (default[1],):
-            tiles = -(-n // bn) * -(-m // bm)
-            for split in (1, 2, 4, 8):
-                if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
-                    continue
-                for warps, stages in ((4, 3), (4, 4)):
-                    out.add((bn, bm, split, warps, stages))
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        bm = default[1]
+        tiles = -(-n // bn) * -(-m // bm)
+        for split in (1, 2):
+            if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
+                continue
+            for stages in (3, 4):
+                out.add((bn, bm, split, warps, stages))
     return sorted(out)
 
 

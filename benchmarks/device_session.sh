@@ -19,6 +19,9 @@
 #        vs Marlin vs W8A16, M 1 ... 64; writes $OUT/gemv.json and /tmp/gemv.json for `e2e ... grid+ ... /tmp/gemv.json`
 #   bash benchmarks/device_session.sh bf16copy        # fast-path GPU tests + kernel benchmark: Marlin vs the resident
 #        bf16 copy (option bf16_weight_rows) vs dequantize + cuBLAS, 8B projections, M 1 ... 256
+#   bash benchmarks/device_session.sh tune1           # all GPU tests + the MoE-layer benchmark at decode sizes
+#   bash benchmarks/device_session.sh tune2           # decode GEMV (fused quantize) vs Marlin per model -> /tmp/gemv_{8b,30b}.json;
+#        the W8A16 config sweep at M 32, 64 (W8A16_BEST: what a per-shape config table would reach)
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
 #   bash benchmarks/device_session.sh native          # a trainer's plain load_weights on the GPU (Marlin bf16 + Triton fp32, graphs on)
 # Results go to $OUT.  Name the commit for the JSONL records: GRID_COMMIT=$(git rev-parse --short HEAD), set here
@@ -113,6 +116,23 @@ case "${1:-kernels}" in
       | tee "$OUT/bench_fast_path.log" | grep -E "M=|GEMV_ROWS|summed|Error|NOT TIMED" | tail -60
     cp "$OUT/gemv.json" /tmp/gemv.json 2>/dev/null || true
     ;;
+  tune1)  # every GPU test (kernels changed), then the MoE layer benchmark (expert GEMV, Triton MoE, Marlin MoE)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" --ms "${MS:-1,2,4,8,16}" --arms "${MOE_ARMS:-bf16,grid,grid_gemv,triton}" \
+      2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -8
+    ;;
+  tune2)  # the decode GEMV (x quantized inside its launch up to 16 rows) vs Marlin / W8A16, per model; the W8A16 sweep
+    for model in 8b 30b; do
+      sh=$([ $model = 8b ] && echo 8b.qkv,8b.o,8b.gate_up,8b.down || echo 30b.qkv,30b.o)
+      python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path_$model.jsonl" --shapes $sh --ms "${MS:-1,2,4,8,16,32,64}" \
+        --arms bf16,grid_marlin,grid_w8a16,grid_gemv,grid_gemv2,marlin_w8a16 --gemv-out "$OUT/gemv_$model.json" 2>&1 \
+        | tee "$OUT/bench_fast_path_$model.log" | grep -E "summed|GEMV_ROWS|Error|NOT TIMED" | tail -6
+      cp "$OUT/gemv_$model.json" /tmp/gemv_$model.json 2>/dev/null || true
+    done
+    python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path_sweep.jsonl" --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
+      --ms "${SWEEP_MS:-32,64}" --arms bf16,grid_marlin,grid_w8a16 --w8a16-sweep --sweep-ms "${SWEEP_MS:-32,64}" 2>&1 \
+      | tee "$OUT/bench_sweep.log" | grep -E "best w8a16|W8A16_BEST|Error" | tail -14
+    ;;
   moe)    # MoE layer: BF16 fused experts vs Marlin MoE + glue vs the expert GEMV (option moe_gemv_slots) vs Triton
     python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" --ms "${MS:-1,2,4,8,16,32,64,256,1024}" \
       --gemv-out "$OUT/moe_gemv.json" 2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -14
@@ -135,7 +155,7 @@ case "${1:-kernels}" in
     opts="${5:-}"
     arms="${3:-bf16,grid}"
     if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
-    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
+    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]\|"gemv_rows": 0}'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
     echo "arms: $arms; grid+ options: $opts"
     python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "$arms" --conc "${4:-1,16,64}" \
       --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
