@@ -524,3 +524,48 @@ def test_no_format_literals_in_kernels():
         if h:
             hits[os.path.basename(p)] = h
     assert not hits, f"format rules typed as literals (name them in common/format.py): {hits}"
+
+
+#: the block size (32) and the K of one int32 scale word (128) inside jit code: FORBIDDEN leaves them out
+#: (they are tile shapes in the launch configs), but in a kernel body they are the format's block and
+#: scale-word rules -- read as ``gemv_triton._BLOCK`` / ``_WORD_K`` (or the kernel's own constexpr names)
+JIT_FORBIDDEN = {32, 128}
+
+
+def _jit_literals(src: str, values=JIT_FORBIDDEN):
+    """(function, line, token) of every number token in ``values`` inside a ``@triton.jit`` function of
+    Python source ``src`` (comments and docstrings skipped)."""
+    import ast
+    import io
+    import tokenize
+    lines = src.splitlines(keepends=True)
+    hits = []
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        body = "".join(lines[node.lineno - 1:node.end_lineno])
+        for tok in tokenize.generate_tokens(io.StringIO(body).readline):
+            if tok.type == tokenize.NUMBER and float(eval(tok.string.replace("_", ""))) in values:  # noqa: S307
+                hits.append((node.name, node.lineno - 1 + tok.start[0], tok.string))
+    return hits
+
+
+def test_jit_literal_scan_catches_a_block_literal():
+    src = ('import triton\nimport triton.language as tl\nK_STEP = 128\n\n'
+           '@triton.jit\ndef k(p, K):\n    """32 in a docstring"""\n    offs = tl.arange(0, 32)  # 128 in a comment\n'
+           '    for k0 in range(0, K, 128):\n        pass\n\ndef host():\n    return 32\n')
+    assert [(f, t) for f, _, t in _jit_literals(src)] == [("k", "32"), ("k", "128")]
+
+
+def test_no_block_literals_in_jit_code():
+    """The kernels' jit bodies name the block size and the scale word (moe_gemv_triton included: it
+    reads gemv_triton's ``_BLOCK`` / ``_WORD_K``)."""
+    srcs = _kernel_sources()
+    assert any(p.endswith(os.sep + "moe_gemv_triton.py") for p in srcs)
+    hits = {}
+    for p in srcs:
+        with open(p) as f:
+            h = _jit_literals(f.read())
+        if h:
+            hits[os.path.basename(p)] = h
+    assert not hits, f"block size / scale-word K typed as literals in jit code (use _BLOCK / _WORD_K): {hits}"

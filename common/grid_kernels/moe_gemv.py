@@ -15,7 +15,10 @@ The layer in the reference's order (``ops.moe_reference``), with exact operands:
 
 No slot sort (each program owns one slot), no atomics, nothing derived: the kernel reads the
 layer's own fp8 codes and scales, so an update needs no repack.  Slots of other ranks' experts
-(expert parallel) read no weight and are written as zeros.
+(expert parallel) read no weight and are written as zeros.  Six launches a layer (the two quantizes,
+the two GEMVs, the SiLU*up qdq, the combine) and nothing between them: the GEMV reads each slot's
+token row (slot // top-k) and maps its global expert id (int32 or int64, through ``expert_map``)
+itself, so a decode step under a CUDA graph replays exactly these.
 """
 
 from __future__ import annotations
@@ -52,16 +55,13 @@ def moe_decode_gemv(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2:
     from ..kernels import moe_triton
     from ..kernels.moe_gemv_triton import moe_gemv
     from ..kernels.quantize_triton import quantize_rows_triton
-    from ..ops import local_expert_ids
-    m, h = x.shape
     topk = topk_ids.shape[1]
-    slots = m * topk
-    local = local_expert_ids(topk_ids, expert_map).reshape(-1)
-    idx = torch.arange(slots, device=x.device, dtype=torch.int32)
+    # slot s = (token s // topk, its k-th choice): the kernel reads the token row and maps the global
+    # expert id itself (int32 or int64, through expert_map) -- no index or cast launches here
     xq, xs = quantize_rows_triton(x)
-    gu = moe_gemv(xq, xs, idx // topk, w13, w13_s, local)
+    gu = moe_gemv(xq, xs, None, w13, w13_s, topk_ids, topk=topk, expert_map=expert_map)
     act = moe_triton.silu_mul_qdq(gu, intermediate)
     aq, as_ = quantize_rows_triton(act)
-    d = moe_gemv(aq, as_, idx, w2, w2_s, local)
+    d = moe_gemv(aq, as_, None, w2, w2_s, topk_ids, expert_map=expert_map)
     tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
     return moe_triton.moe_combine(d, tw, topk_ids, expert_map)

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .protocol import allowed_dirs
 from .rank_service import checked
 from .recorder import UpdateRejected
 from .transport import nccl_source, staging_dir
@@ -70,9 +71,8 @@ def outcome(fn: Callable[[], object]) -> dict:
 
 
 def reply_roots() -> list[str]:
-    env = os.environ.get(REPLY_DIRS_ENV)
-    roots = env.split(",") if env else ["/dev/shm", tempfile.gettempdir()]
-    return [os.path.realpath(r) for r in roots if r]
+    """Where a reply directory may live (``MXFP8_GRID_REPLY_DIRS``; ``protocol.allowed_dirs``)."""
+    return allowed_dirs(REPLY_DIRS_ENV)
 
 
 def reply_path_ok(path) -> bool:

@@ -35,11 +35,18 @@ class BadRequest(Exception):
         self.status = status
 
 
-def staging_dirs() -> list[str]:
-    """Where a bucket file named over the network may live (``MXFP8_GRID_STAGING_DIRS``)."""
-    dirs = os.environ.get(STAGING_ENV)
+def allowed_dirs(env_var: str) -> list[str]:
+    """The directories an operator allows in ``env_var`` (comma-separated; unset or empty: ``/dev/shm``
+    and the temp dir), each resolved with ``os.path.realpath``; empty entries skipped.  Read at every
+    call (the environment may change between calls)."""
+    dirs = os.environ.get(env_var)
     base = dirs.split(",") if dirs else ["/dev/shm", tempfile.gettempdir()]
     return [os.path.realpath(d) for d in base if d]
+
+
+def staging_dirs() -> list[str]:
+    """Where a bucket file named over the network may live (``MXFP8_GRID_STAGING_DIRS``)."""
+    return allowed_dirs(STAGING_ENV)
 
 
 def _json_arg(text: str, what: str):
