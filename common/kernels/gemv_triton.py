@@ -145,6 +145,22 @@ def _quantize_chunk(x, HW: tl.constexpr):
 
 
 @triton.jit
+def _quantize_row_chunk(x, BLOCK_M: tl.constexpr, HW: tl.constexpr):
+    """:func:`_quantize_chunk` of ONE activation row's 32-wide chunk x (32,), fp32, placed as row 0 of
+    a (BLOCK_M, 32) code tile (rows 1.. zero codes) with its power of two for every row: the
+    quantizer's work on 32 values, not on the tensor-core tile's BLOCK_M rows (decode at one token,
+    and every MoE slot)."""
+    xbits = x.to(tl.int32, bitcast=True)
+    abits = xbits & _F32_ABS_MASK
+    abits = tl.where(abits > _F32_INF_BITS, 0, abits)
+    e = _e8m0_from_amax_bits(tl.max(abits, axis=0), HW)
+    q = _encode_e4m3(x, xbits, _scale_reciprocal(e), HW)
+    row0 = tl.arange(0, BLOCK_M)[:, None] == 0
+    a = tl.where(row0, q[None, :].to(tl.int32), 0).to(tl.uint8)
+    return a, tl.zeros((BLOCK_M,), dtype=tl.float32) + _pow2(e << _F32_MAN_BITS)
+
+
+@triton.jit
 def _chunk_step(acc, a, w, fx, fw, VARIANT: tl.constexpr, SWAP: tl.constexpr, HW: tl.constexpr):
     """acc += dequant(a) @ dequant(w)^T for one 32-wide K chunk (SWAP: acc^T, i.e. acc is (BN, BM)).
 
@@ -205,10 +221,11 @@ def _grid_gemv_kernel(
     M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, steps_per_split, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     SCALE_WORDS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    VARIANT: tl.constexpr, SWAP: tl.constexpr, HW: tl.constexpr, QUANT_X: tl.constexpr,
+    VARIANT: tl.constexpr, SWAP: tl.constexpr, HW: tl.constexpr, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     # QUANT_X: xq_ptr holds the activation rows themselves (bf16 / fp16 / fp32), quantized here, chunk by
-    # chunk, exactly as quantize_rows_triton would (xs_ptr unused): one launch instead of two
+    # chunk, exactly as quantize_rows_triton would (xs_ptr unused): one launch instead of two.
+    # ONE_ROW (QUANT_X with M == 1): the quantizer works on the one row's 32 values per chunk
     pid = tl.program_id(0)            # output tile; M-tiles fastest so programs sharing a W slab run together
     pid_k = tl.program_id(1)          # K split
     num_m = tl.cdiv(M, BLOCK_M)
@@ -262,17 +279,26 @@ def _grid_gemv_kernel(
                     fx = _pow2(tl.load(xs_rows + kb, mask=m_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
                 fw = _pow2(tl.load(ws_rows + kb, mask=n_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
             if EVEN_K:
-                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
+                if not ONE_ROW:
+                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
                 if EVEN_N:
                     w = tl.load(w_rows + kk[None, :])
                 else:
                     w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0)
             else:
                 k_ok = kk < k_end
-                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+                if not ONE_ROW:
+                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             if QUANT_X:     # a chunk past K is all zeros: codes 0 (scale byte 0), adding nothing
-                a, fx = _quantize_chunk(a.to(tl.float32), HW)
+                if ONE_ROW:
+                    if EVEN_K:
+                        xv = tl.load(xq_ptr + kk)
+                    else:
+                        xv = tl.load(xq_ptr + kk, mask=kk < k_end, other=0)
+                    a, fx = _quantize_row_chunk(xv.to(tl.float32), BLOCK_M, HW)
+                else:
+                    a, fx = _quantize_chunk(a.to(tl.float32), HW)
             acc = _chunk_step(acc, a, w, fx, fw, VARIANT, SWAP, HW)
     if SWAP:
         acc = tl.trans(acc)
@@ -522,5 +548,6 @@ def _launch(xq, xs, wq, ws, bias, out_dtype, config, out, quant_x: bool) -> torc
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.chunks,
         SCALE_WORDS=words, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0,
         VARIANT=_VARIANT_ID[cfg.variant], SWAP=cfg.swap, HW=not interpreting(), QUANT_X=quant_x,
+        ONE_ROW=quant_x and m == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -83,3 +83,26 @@ def test_fused_quantize_under_a_cuda_graph():
         g.replay()
         want = grid_gemv(*quantize_rows_triton(x), wq, ws, None, torch.bfloat16, config="auto")
         assert same_bits(out, want), seed
+
+
+@pytest.mark.parametrize("t,topk,e_glob,ep", [(1, 8, 128, False), (2, 8, 128, True), (16, 8, 128, False),
+                                              (3, 4, 64, True)])
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])        # Qwen3-30B-A3B gate_up, down
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_gemv_quantizes_in_the_kernel_as_two_launches(t, topk, e_glob, ep, n, k, dtype):
+    """moe_gemv with xs=None (each slot's row quantized inside the kernel) = quantize_rows_triton first."""
+    from mxfp8_learner_grid.common.kernels.moe_gemv_triton import moe_gemv
+    from mxfp8_learner_grid.common.kernels.quantize_triton import quantize_rows_triton
+    e_loc = e_glob // 2 if ep else e_glob
+    g = torch.Generator().manual_seed(t + n)
+    wq, ws = quantize_rows(torch.randn(e_loc, n, k, generator=g) * 0.05)
+    wq, ws = wq.cuda(), ws.cuda()
+    x = random_input((t, k), dtype, seed=t * 3 + n).cuda()
+    ids = torch.stack([torch.randperm(e_glob, generator=g)[:topk] for _ in range(t)]).to("cuda", torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((e_glob,), -1, dtype=torch.int32, device="cuda")
+        emap[e_loc:] = torch.arange(e_loc, dtype=torch.int32, device="cuda")
+    fused = moe_gemv(x, None, None, wq, ws, ids, topk=topk, expert_map=emap)
+    two = moe_gemv(*quantize_rows_triton(x), None, wq, ws, ids, topk=topk, expert_map=emap)
+    assert same_bits(fused, two), (t, topk, ep, n, k, dtype)
