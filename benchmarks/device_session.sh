@@ -23,6 +23,7 @@
 #   bash benchmarks/device_session.sh tune2           # decode GEMV (fused quantize) vs Marlin per model -> /tmp/gemv_{8b,30b}.json;
 #        the W8A16 config sweep at M 32, 64 (W8A16_BEST: what a per-shape config table would reach)
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
+#   bash benchmarks/device_session.sh nativeipc       # vLLM 0.26's own ipc weight-transfer backend (CUDA IPC), full + partial, then the seven checks
 #   bash benchmarks/device_session.sh native          # a trainer's plain load_weights on the GPU (Marlin bf16 + Triton fp32, graphs on)
 # Results go to $OUT.  Name the commit for the JSONL records: GRID_COMMIT=$(git rev-parse --short HEAD), set here
 # before the call (the device copy of the tree may carry a stale .git).
@@ -148,6 +149,21 @@ case "${1:-kernels}" in
           "{\"kind\": \"$kind\", \"root\": \"/tmp/native-$kind-$dt\", \"dtype\": \"$dt\", \"eager\": false, \"capture_sizes\": [1, 2, 4, 8], \"gpu_memory_utilization\": 0.3}" \
           >"$OUT/native-$kind-$dt.log" 2>&1
         grep "^RESULT" "$OUT/native-$kind-$dt.log" | sed "s/^/$kind $dt /" || tail -20 "$OUT/native-$kind-$dt.log"
+      done
+    done
+    ;;
+  nativeipc) # issue #13 on the GPU: vLLM 0.26's own ipc weight-transfer backend (this process is the trainer: CUDA IPC),
+    #          full and partial updates, derived tensors checked, then the seven checks of what the trainer sent
+    for kind in ${KINDS:-dense}; do
+      for pk in ${IPC_PACKED:-0}; do      # 0: one update_weights per update; N > 0: vLLM's packed mode, an N-byte IPC buffer
+        log="$OUT/nativeipc-$kind-bfloat16-packed$pk.log"
+        TOKENIZERS_PARALLELISM=false VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        timeout ${IPC_TIMEOUT:-240} python3 tests/engine/native_update.py \
+          "{\"kind\": \"$kind\", \"root\": \"/tmp/nativeipc-$kind-$pk\", \"dtype\": \"bfloat16\", \"eager\": false, \"capture_sizes\": [1, 2, 4, 8], \"gpu_memory_utilization\": 0.3, \"path\": \"weight_transfer_ipc\", \"ipc_packed_bytes\": $pk}" \
+          >"$log" 2>&1
+        echo "$kind bfloat16 ipc packed=$pk: exit $?"
+        grep "^RESULT" "$log" | sed "s/^/$kind bfloat16 ipc packed=$pk /" || tail -40 "$log"
+        if grep -q '^RESULT.*"error"' "$log"; then grep -E "Error|Traceback" "$log" | grep -v "^RESULT" | tail -15; fi
       done
     done
     ;;
