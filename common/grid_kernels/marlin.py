@@ -10,8 +10,8 @@ summation order -- the tolerance TE's own GEMMs have.
 The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a16_rows``,
 ``prefill_crossover`` and ``bf16_weight_rows``):
 
-* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales (inside the GEMV's
-  own launch up to 16 rows) and the project's split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
+* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales (one Triton pass; the
+  in-kernel variant, ``GEMV_FUSED_ROWS``, measured slower) and the project's split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
   the per-32 scales applied to each chunk's FP32 partial sum, deterministic in-launch split-K
   reduction) -- :func:`gemv_band`;
 * M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
@@ -86,16 +86,18 @@ def gemv_band(spec: LayerSpec, default: int = 0) -> int:
     return int(default if rows is None else rows)
 
 
-#: rows up to which the decode GEMV quantizes x inside its own launch (``gemv_triton.grid_gemv_rows``:
-#: one launch instead of two; each program re-quantizes the <= 16 x rows of its K range, a small
-#: cost next to the weight chunk); above it, one quantize pass first (``quantize_rows_triton``)
-GEMV_FUSED_ROWS = 16
+#: rows up to which the decode GEMV quantizes x inside its own launch (``gemv_triton.grid_gemv_rows``,
+#: one launch instead of two, the same bits).  Off: measured on the H200 (BENCHMARKS.md, ninth session),
+#: the in-loop quantize (a cross-thread amax per 32-chunk in every program) costs more than the launch
+#: it saves -- Qwen3-8B projections summed at M = 1: 138.8 us fused against 115.7 us with a quantize
+#: pass first; only the small 30B-A3B attention projections gain at M = 1 (24.2 against 24.9 us)
+GEMV_FUSED_ROWS = 0
 
 
 def grid_gemv_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """x2 (bf16 rows) on the grid by the decode GEMV on the layer's own fp8 codes and scales, bf16 out:
-    x quantized TE-exactly inside the GEMV (M <= GEMV_FUSED_ROWS), else codes + E8M0 scales by one
-    Triton pass, then ``grid_gemv`` -- the same bits either way."""
+    x quantized TE-exactly to codes + E8M0 scales by one Triton pass, then ``grid_gemv`` (or, for
+    M <= GEMV_FUSED_ROWS, inside the GEMV's launch) -- the same bits either way."""
     from ..kernels.gemv_triton import grid_gemv, grid_gemv_rows
     if x2.shape[0] <= GEMV_FUSED_ROWS:
         return grid_gemv_rows(x2, weight, weight_scale_inv, None, torch.bfloat16, config="auto")

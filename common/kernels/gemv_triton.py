@@ -492,8 +492,9 @@ def grid_gemv_rows(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Op
     """``grid_gemv(*quantize_rows_triton(x), wq, ws, ...)`` in one launch: the activation rows x (M, K)
     (bf16 / fp16 / fp32) are quantized TE-exactly inside the GEMV, chunk by chunk, with the rowwise
     quantizer's own jit functions -- the same codes and scale bytes, so the same bits out as the two
-    launches with the same config.  Each program re-quantizes the x chunks it reads (<= 64 rows): extra
-    ALU work of about BLOCK_M x 32 elements per 32-wide weight chunk, small at decode's few rows."""
+    launches with the same config.  Each program re-quantizes the x chunks it reads: a cross-thread amax
+    per 32-chunk in the main loop.  Measured on the H200 (ninth session) it costs more than the launch
+    it saves except at M = 1 on small layers; ``marlin.GEMV_FUSED_ROWS`` keeps it off."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"grid_gemv_rows: activations must be bf16 / fp16 / fp32, got {x.dtype}")
     return _launch(x, x, wq, ws, bias, out_dtype, config, out, True)

@@ -152,7 +152,8 @@ def moe_gemv(xq: torch.Tensor, xs: Optional[torch.Tensor], rows: Optional[torch.
     id, -1: another rank's): the experts are global ids, mapped in the kernel (a negative id stays
     another rank's), as ``ops.local_expert_ids`` maps them.
     ``xs=None``: xq holds the activation rows themselves (bf16 / fp16 / fp32), quantized TE-exactly inside
-    the kernel (the rowwise quantizer's jit functions: the same bits out as ``quantize_rows_triton`` first).
+    the kernel (the rowwise quantizer's jit functions: the same bits out as ``quantize_rows_triton`` first;
+    measured slower on the H200 than that extra launch, so the MoE layer does not use it).
     K % 128 == 0.  Meant for decode (S up to a few hundred); correct for any S.
     """
     t, k = xq.shape
