@@ -3,6 +3,7 @@
 #   bash benchmarks/sglang_session.sh serve MODELS_DIR   # tiny dense + MoE served with the plugin, logprobs vs the learner
 #   bash benchmarks/sglang_session.sh layers             # per-layer exactness inside SGLang's model runner (8B / 30B shapes, 2 layers)
 #   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC] [GRID_OPTIONS]   # tokens/s, grid vs bf16 (REPS=2)
+#   bash benchmarks/sglang_session.sh update [KINDS]    # in-place updates + faults through the client (KINDS: "dense moe")
 # Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -28,6 +29,14 @@ case "${1:-serve}" in
       timeout 280 python3 tests/gpu/layer_capture_sglang.py --shape $s --layers 2 --out "$OUT/layers-sglang-$s.json" \
         >"$OUT/layers-sglang-$s.log" 2>&1
       grep -E "SUMMARY|LAYERS_" "$OUT/layers-sglang-$s.log" || tail -30 "$OUT/layers-sglang-$s.log"
+    done
+    ;;
+  update)
+    for k in ${2:-dense}; do
+      timeout 280 python3 tests/gpu/sglang_update_check.py --kind "$k" --out "$OUT/sgl-update-$k.json" \
+        --log "$OUT/sgl-update-server-$k.log" >"$OUT/sgl-update-$k.log" 2>&1
+      echo "sgl-update $k: exit $?"
+      grep -E "^RESULT" "$OUT/sgl-update-$k.log" || tail -30 "$OUT/sgl-update-$k.log"
     done
     ;;
   e2e)
