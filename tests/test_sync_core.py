@@ -117,6 +117,50 @@ def test_recorder_refuses_silent_casts():
         p.copy_(src)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_recorder_content_checks_are_read_once_at_exit_in_write_order(device):
+    """NaN fp8 codes, E8M0 scale 255 and non-finite floats are queued on the device while the loaders
+    copy and read once when the recorder exits: the first bad write (in write order) is named; a
+    bucket with no bad tensor passes; an error already in flight is not masked by them."""
+    q, sc = quantize_rows(torch.randn(8, 64))
+    params = {"w": torch.zeros(8, 64, dtype=q.dtype, device=device), "s": torch.zeros(8, 2, dtype=torch.uint8,
+                                                                                         device=device),
+              "b": torch.zeros(8, device=device)}
+
+    def run(qs, ss, bs):
+        rec = WriteRecorder(params, backup=False)
+        rec.add_source(qs, "w.q", "data")
+        rec.add_source(ss, "w.s", "scale")
+        rec.add_source(bs, "b.src", "plain")
+        with rec:
+            params["b"].copy_(bs)
+            params["w"].copy_(qs)
+            params["s"].copy_(ss)
+        return rec
+    good = (q.to(device), sc.to(device), torch.ones(8, device=device))
+    assert len(run(*good).writes) == 3
+    nan_q = q.view(torch.uint8).clone()
+    nan_q[3, 5] = 0xFF
+    bad_s = sc.clone()
+    bad_s[7, 1] = 255
+    inf_b = torch.ones(8)
+    inf_b[2] = float("inf")
+    with pytest.raises(UpdateRejected, match="w.q: fp8 weight holds NaN codes"):
+        run(nan_q.view(q.dtype).to(device), bad_s.to(device), good[2])          # both bad: the first write named
+    with pytest.raises(UpdateRejected, match="w.s: E8M0 scale 255"):
+        run(good[0], bad_s.to(device), good[2])
+    with pytest.raises(UpdateRejected, match="b.src: holds NaN or Inf"):
+        run(good[0], bad_s.to(device), inf_b.to(device))                       # write order: b first
+    rec = WriteRecorder(params, backup=False)
+    inf_dev = inf_b.to(device)
+    rec.add_source(inf_dev, "b.src", "plain")
+    with pytest.raises(KeyError):          # an error in flight wins; the queued checks are dropped, not raised
+        with rec:
+            params["b"].copy_(inf_dev)
+            raise KeyError("in flight")
+    assert rec._pending == []
+
+
 def test_middleware_is_off_by_default(monkeypatch):
     from mxfp8_learner_grid.vllm_plugin import http  # noqa: F401 (imports vllm only for its package)
     monkeypatch.delenv("MXFP8_GRID_UPDATES", raising=False)

@@ -11,9 +11,10 @@ The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a
 ``prefill_crossover`` and ``bf16_weight_rows``):
 
 * M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales (one Triton pass; the
-  in-kernel variant, ``GEMV_FUSED_ROWS``, measured slower) and the project's split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
-  the per-32 scales applied to each chunk's FP32 partial sum, deterministic in-launch split-K
-  reduction) -- :func:`gemv_band`;
+  in-kernel variant, ``GEMV_FUSED_ROWS``, measured slower) and the project's split-K decode GEMV
+  (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once, the per-32 scales
+  applied to each chunk's FP32 partial sum, deterministic in-launch split-K reduction) --
+  :func:`gemv_band`;
 * M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
   engine-provided, ``providers.get("marlin")``), with FP32 global reduction and no atomics;
 * lo <= M < hi for ``w8a16_rows: [lo, hi]`` (off by default): the project's swapped W8A16 Triton

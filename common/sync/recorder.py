@@ -6,8 +6,11 @@ destination lives in a registered parameter is
 * attributed: to the learner tensor (name, role) its source came from -- the incoming
   tensor itself, or a tensor our loaders derived from it (fp8 data and scales quantized
   from a BF16 weight) -- and to a destination box in the parameter;
-* checked before it happens: dtype (no silent casts into a parameter), no NaN where the
-  format forbids it (fp8 codes 0x7F/0xFF, E8M0 scale 255);
+* checked: dtype before it happens (no silent casts into a parameter); its content -- no NaN
+  where the format forbids it (fp8 codes 0x7F/0xFF, E8M0 scale 255), no NaN / Inf in a float
+  tensor -- queued on the tensor's device and read once when the recorder exits (one host sync
+  per bucket, not one per tensor), so a bad tensor fails the bucket, named, before it returns, and
+  the update is undone whole as for any failure mid-load;
 * backed up (optional): the parameter's previous bytes are copied the first time it is
   touched -- to host memory (``backup="host"``, the default) or to a spare buffer on the
   parameter's own device (``backup="device"``: an on-device copy, no PCIe round trip, at
@@ -93,9 +96,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset(), hi + 1
 
 
-def _nan_codes(t: torch.Tensor) -> bool:
+def _nan_codes(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: does the fp8 tensor hold an E4M3 NaN code (0x7F / 0xFF)?  Not read here (no sync)."""
     b = t.view(torch.uint8)
-    return bool(((b & 0x7F) == 0x7F).any())
+    return ((b & 0x7F) == 0x7F).any()
 
 
 @dataclass
@@ -106,6 +110,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
     backups: dict = field(default_factory=dict)   # param name -> host copy of its previous bytes
     _by_storage: dict = field(default_factory=dict)
     _sources: dict = field(default_factory=dict)
+    _pending: list = field(default_factory=list)  # (message, 0-dim bool flag) content checks not yet read
 
     def __post_init__(self):
         super().__init__()
@@ -153,7 +158,21 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        pending, self._pending = self._pending, []
+        if exc[0] is None:            # nothing failed yet: read the bucket's content checks, once
+            self._resolve(pending)
+        return out
+
+    @staticmethod
+    def _resolve(pending: list) -> None:
+        """Raise :class:`UpdateRejected` for the first failed content check, in write order."""
+        if not pending:
+            return
+        from .derived import read_flags
+        for (message, _), bad in zip(pending, read_flags([f for _, f in pending])):
+            if bad:
+                raise UpdateRejected(message)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -171,12 +190,14 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
             if dest.dtype != src.dtype:
                 raise UpdateRejected(f"{sname}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
                                      "send the parameter's dtype")
-            if src.dtype == F.FP8_DTYPE and _nan_codes(src):
-                raise UpdateRejected(f"{sname}: fp8 weight holds NaN codes, which the wire format forbids")
-            if src.dtype == F.SCALE_DTYPE and s is not None and s.role == "scale" and bool((src == 255).any()):
-                raise UpdateRejected(f"{sname}: E8M0 scale 255 (NaN) is not a valid learner scale")
-            if src.is_floating_point() and src.dtype != F.FP8_DTYPE and not bool(torch.isfinite(src).all()):
-                raise UpdateRejected(f"{sname}: holds NaN or Inf")
+            if src.dtype == F.FP8_DTYPE:
+                self._pending.append((f"{sname}: fp8 weight holds NaN codes, which the wire format forbids",
+                                      _nan_codes(src)))
+            if src.dtype == F.SCALE_DTYPE and s is not None and s.role == "scale":
+                self._pending.append((f"{sname}: E8M0 scale 255 (NaN) is not a valid learner scale",
+                                      (src == F.E8M0_NAN).any()))
+            if src.is_floating_point() and src.dtype != F.FP8_DTYPE:
+                self._pending.append((f"{sname}: holds NaN or Inf", ~torch.isfinite(src).all()))
         if self.backup and pname not in self.backups:
             self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
         dbox = view_box(dest, param.shape, param.storage_offset())
