@@ -11,9 +11,7 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_triton   the previous grid path (quantize + Triton grid GEMM)
   grid_w8a16    ours: qdq(x) + the swapped W8A16 Triton GEMM (kernels/w8a16_triton, its default config)
   grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
-  grid_gemv     ours with option gemv_rows (M <= 64): the decode GEMV (kernels/gemv_triton), x quantized inside
-                its launch up to marlin.GEMV_FUSED_ROWS rows (grid_gemv_rows), else by a quantize pass first
-  grid_gemv2    the GEMV always after a separate quantize pass (quantize_rows_triton + grid_gemv): the fusion's gain
+  grid_gemv     ours with option gemv_rows (M <= 64): x quantized to codes + scales + the decode GEMV (kernels/gemv_triton)
 
 ``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
 stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
@@ -101,8 +99,6 @@ def main():
     ops = providers.get("marlin")
     assert ops is not None, "vLLM's Marlin ops are needed"
     from mxfp8_learner_grid.common.kernels.gemm_triton import grid_gemm
-    from mxfp8_learner_grid.common.kernels.gemv_triton import grid_gemv
-    from mxfp8_learner_grid.common.kernels.quantize_triton import quantize_rows_triton
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
     from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_config, w8a16_gemm
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -130,7 +126,7 @@ def main():
             for name, lays in (("grid_marlin", lay_m), ("grid_cublas", lay_c), ("grid_w8a16", lay_w),
                                ("grid_bf16copy", lay_b), ("grid_gemv", lay_g)):
                 if name == "grid_gemv" and m > 64:
-                    failed |= {name, "grid_gemv2"}
+                    failed.add(name)
                     continue
                 lay = lays[0]
                 ref = (dequantize_blocks(*quantize_rows(x)).double()
@@ -162,8 +158,6 @@ def main():
                 "grid_w8a16": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_w],
                 "grid_bf16copy": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_b],
                 "grid_gemv": [lambda l=l: l.grid_kernel.apply(l, x) for l in lay_g],
-                "grid_gemv2": [lambda l=l: grid_gemv(*quantize_rows_triton(x), l.weight, l.weight_scale_inv, None,
-                                                     torch.bfloat16, config="auto") for l in lay_g],
             }
             if args.arms:
                 keep = set(args.arms.split(",")) | {"bf16"}
@@ -208,7 +202,7 @@ def main():
             best[m] = us
             times = " ".join(f"{a}={us[a]:.1f}" if us[a] else f"{a}=-" for a in us if ":" not in a)
             ratios = " ".join(f"{a} x{us['bf16'] / us[a]:.2f}" for a in ("grid_marlin", "grid_cublas", "grid_w8a16",
-                                                                         "grid_bf16copy", "grid_gemv", "grid_gemv2")
+                                                                         "grid_bf16copy", "grid_gemv")
                               if us.get(a))
             print(f"{sname:11s} M={m:5d} {times}  | {ratios}", flush=True)
         cross = [m for m, u in best.items()
@@ -234,7 +228,6 @@ def main():
     print("summed over shapes, us: " + "; ".join(
         f"M={m}: marlin {total.get((m, 'grid_marlin'), 0):.1f} w8a16 {total.get((m, 'grid_w8a16'), 0):.1f} "
         f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} gemv {total.get((m, 'grid_gemv'), 0):.1f} "
-        f"gemv2 {total.get((m, 'grid_gemv2'), 0):.1f} "
         f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
     print(f"W8A16_BAND {json.dumps(band)}", flush=True)
     for m, per in sorted(best_cfg.items()):       # what a per-shape config table would reach

@@ -20,7 +20,7 @@
 #   bash benchmarks/device_session.sh bf16copy        # fast-path GPU tests + kernel benchmark: Marlin vs the resident
 #        bf16 copy (option bf16_weight_rows) vs dequantize + cuBLAS, 8B projections, M 1 ... 256
 #   bash benchmarks/device_session.sh tune1           # all GPU tests + the MoE-layer benchmark at decode sizes
-#   bash benchmarks/device_session.sh tune2           # decode GEMV (fused quantize) vs Marlin per model -> /tmp/gemv_{8b,30b}.json;
+#   bash benchmarks/device_session.sh tune2           # decode GEMV vs Marlin per model -> /tmp/gemv_{8b,30b}.json;
 #        the W8A16 config sweep at M 32, 64 (W8A16_BEST: what a per-shape config table would reach)
 #   bash benchmarks/device_session.sh moe             # MoE-layer benchmark: grid (Triton glue / torch glue) vs BF16 fused experts
 #   bash benchmarks/device_session.sh nativeipc       # vLLM 0.26's own ipc weight-transfer backend (CUDA IPC), full + partial, then the seven checks
@@ -122,11 +122,11 @@ case "${1:-kernels}" in
     python3 benchmarks/bench_moe.py --out "$OUT/moe.jsonl" --ms "${MS:-1,2,4,8,16}" --arms "${MOE_ARMS:-bf16,grid,grid_gemv,triton}" \
       2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/bench_moe.log" | tail -8
     ;;
-  tune2)  # the decode GEMV (x quantized inside its launch up to 16 rows) vs Marlin / W8A16, per model; the W8A16 sweep
+  tune2)  # the decode GEMV vs Marlin / W8A16, per model; the W8A16 sweep
     for model in 8b 30b; do
       sh=$([ $model = 8b ] && echo 8b.qkv,8b.o,8b.gate_up,8b.down || echo 30b.qkv,30b.o)
       python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path_$model.jsonl" --shapes $sh --ms "${MS:-1,2,4,8,16,32,64}" \
-        --arms bf16,grid_marlin,grid_w8a16,grid_gemv,grid_gemv2,marlin_w8a16 --gemv-out "$OUT/gemv_$model.json" 2>&1 \
+        --arms bf16,grid_marlin,grid_w8a16,grid_gemv,marlin_w8a16 --gemv-out "$OUT/gemv_$model.json" 2>&1 \
         | tee "$OUT/bench_fast_path_$model.log" | grep -E "summed|GEMV_ROWS|Error|NOT TIMED" | tail -6
       cp "$OUT/gemv_$model.json" /tmp/gemv_$model.json 2>/dev/null || true
     done

@@ -332,9 +332,8 @@ GEMV_BAND = textwrap.dedent("""
     w = dequantize_blocks(lay.weight, lay.weight_scale_inv)
     calls = []
     import mxfp8_learner_grid.common.kernels.gemv_triton as GV
-    real, real_rows = GV.grid_gemv, GV.grid_gemv_rows
+    real = GV.grid_gemv
     GV.grid_gemv = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
-    GV.grid_gemv_rows = lambda *a, **kw: calls.append(a[0].shape[0]) or real_rows(*a, **kw)   # x quantized inside
     for m in (1, 4, 5):               # 1 and 4: the GEMV; 5: the W8A16 GEMM
         x = torch.randn(m, k, generator=g, dtype=torch.bfloat16) * 3
         a = dequantize_blocks(*quantize_rows(x))
@@ -367,41 +366,3 @@ def test_gemv_rows_option():
     for bad in (-1, True, "16", 65, 4.5):
         with pytest.raises(ValueError, match="gemv_rows"):
             GridOptions.from_dict({"gemv_rows": bad})
-
-
-GEMV_ROWS_FUSED = textwrap.dedent("""
-    import sys, torch
-    sys.path.insert(0, %r)
-    from test_triton_gemv_qdq import hard_rows, random_input, same_bits
-    from mxfp8_learner_grid.common import quantize_rows
-    from mxfp8_learner_grid.common.kernels.gemv_triton import GemvConfig, grid_gemv, grid_gemv_rows
-    from mxfp8_learner_grid.common.kernels.quantize_triton import quantize_rows_triton
-    g = torch.Generator().manual_seed(3)
-    for dt in (torch.bfloat16, torch.float32):
-        hard = hard_rows(dt, k=256)
-        for m, n, k, split in ((1, 48, 256, 1), (3, 40, 256, 2), (17, 32, 96, 1), (hard.shape[0], 32, 256, 1)):
-            x = hard[:m, :k].clone() if m == hard.shape[0] else random_input((m, k), dt, seed=m + k)
-            wq, ws = quantize_rows(torch.randn(n, k, generator=g) * 0.05)
-            cfg = GemvConfig("chunk", 16, 16 if n <= 16 else 32, 4, split, 4, 1)
-            fused = grid_gemv_rows(x, wq, ws, None, torch.float32, config=cfg)
-            xq, xs = quantize_rows_triton(x)
-            rq, rs = quantize_rows(x)
-            assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
-            two = grid_gemv(xq, xs, wq, ws, None, torch.float32, config=cfg)
-            assert same_bits(fused, two), (dt, m, n, k, split)
-            # the check can fail: one scale byte of x off by one changes the result (rows without NaN)
-            x = random_input((m, k), dt, seed=7, specials=False)
-            xq, xs = quantize_rows_triton(x)
-            xs[-1, -1] += 1
-            off = grid_gemv(xq, xs, wq, ws, None, torch.float32, config=cfg)
-            assert not same_bits(grid_gemv_rows(x, wq, ws, None, torch.float32, config=cfg), off), (dt, m)
-    print("OK")
-""")
-
-
-def test_gemv_rows_quantizes_in_the_kernel_exactly_as_two_launches():
-    """grid_gemv_rows: x quantized inside the GEMV (one launch) gives the same bits as quantize_rows_triton
-    (whose bytes equal common's quantize_rows) followed by grid_gemv, on hard rows (NaN / Inf / -0 / tiny
-    scale bytes / every E4M3 midpoint) and random rows, with and without split-K, K not a multiple of 128."""
-    import os
-    run_ok(GEMV_ROWS_FUSED % os.path.dirname(os.path.abspath(__file__)))

@@ -10,11 +10,10 @@ summation order -- the tolerance TE's own GEMMs have.
 The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a16_rows``,
 ``prefill_crossover`` and ``bf16_weight_rows``):
 
-* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales (one Triton pass; the
-  in-kernel variant, ``GEMV_FUSED_ROWS``, measured slower) and the project's split-K decode GEMV
-  (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once, the per-32 scales
-  applied to each chunk's FP32 partial sum, deterministic in-launch split-K reduction) --
-  :func:`gemv_band`;
+* M <= ``gemv_rows`` (off by default): x quantized TE-exactly to codes + scales and the project's
+  split-K decode GEMV (``kernels/gemv_triton``: streams the layer's own fp8 codes and scales once,
+  the per-32 scales applied to each chunk's FP32 partial sum, deterministic in-launch split-K
+  reduction) -- :func:`gemv_band`;
 * M < crossover, outside ``w8a16_rows``: vLLM's MXFP8 Marlin (W8A16, E8M0 scales per 32 along K;
   engine-provided, ``providers.get("marlin")``), with FP32 global reduction and no atomics;
 * lo <= M < hi for ``w8a16_rows: [lo, hi]`` (off by default): the project's swapped W8A16 Triton
@@ -87,21 +86,10 @@ def gemv_band(spec: LayerSpec, default: int = 0) -> int:
     return int(default if rows is None else rows)
 
 
-#: rows up to which the decode GEMV quantizes x inside its own launch (``gemv_triton.grid_gemv_rows``,
-#: one launch instead of two, the same bits).  Off: measured on the H200 (BENCHMARKS.md, ninth session),
-#: the in-loop quantize (a cross-thread amax per 32-chunk in every program) costs more than the launch
-#: it saves -- Qwen3-8B projections summed at M = 1: 138.8 us fused against 115.7 us with a quantize
-#: pass first; only the small 30B-A3B attention projections gain at M = 1 (24.2 against 24.9 us)
-GEMV_FUSED_ROWS = 0
-
-
 def grid_gemv_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x2 (bf16 rows) on the grid by the decode GEMV on the layer's own fp8 codes and scales, bf16 out:
-    x quantized TE-exactly to codes + E8M0 scales by one Triton pass, then ``grid_gemv`` (or, for
-    M <= GEMV_FUSED_ROWS, inside the GEMV's launch) -- the same bits either way."""
-    from ..kernels.gemv_triton import grid_gemv, grid_gemv_rows
-    if x2.shape[0] <= GEMV_FUSED_ROWS:
-        return grid_gemv_rows(x2, weight, weight_scale_inv, None, torch.bfloat16, config="auto")
+    """x2 (bf16 rows) on the grid by the decode GEMV: x quantized TE-exactly (codes + E8M0 scales, one
+    Triton pass), then ``grid_gemv`` on the layer's own fp8 codes and scales, bf16 out."""
+    from ..kernels.gemv_triton import grid_gemv
     from ..kernels.quantize_triton import quantize_rows_triton
     xq, xs = quantize_rows_triton(x2)
     return grid_gemv(xq, xs, weight, weight_scale_inv, None, torch.bfloat16, config="auto")   # no env read per call

@@ -4,8 +4,7 @@ GEMM (Marlin MoE in vLLM, the Triton grouped GEMM in SGLang).
 
 The layer in the reference's order (``ops.moe_reference``), with exact operands:
 
-1. x quantized TE-exactly to codes + E8M0 scales (one Triton pass; ``moe_gemv(xs=None)`` does it inside
-   the GEMV with the same bits, measured slower: 57.3 against 41.1 us per 30B-A3B layer at one token);
+1. x quantized TE-exactly to codes + E8M0 scales (one Triton pass);
 2. gate_up = the expert GEMV per slot, FP32 accumulation, rounded once to bf16;
 3. ``silu(gate) * up`` in bf16 and its grid values (``moe_triton.silu_mul_qdq``, bit-equal to the
    torch ops), then those values as codes + scales again (re-quantizing grid values returns the
@@ -17,8 +16,9 @@ The layer in the reference's order (``ops.moe_reference``), with exact operands:
 No slot sort (each program owns one slot), no atomics, nothing derived: the kernel reads the
 layer's own fp8 codes and scales, so an update needs no repack.  Slots of other ranks' experts
 (expert parallel) read no weight and are written as zeros.  Six launches a layer (the two quantizes,
-the two GEMVs, the SiLU*up qdq, the combine) and nothing between them: the GEMV reads each slot's token row (slot // top-k) and maps its global expert id (int32 or int64,
-through ``expert_map``) itself, so a decode step under a CUDA graph replays exactly these.
+the two GEMVs, the SiLU*up qdq, the combine) and nothing between them: the GEMV reads each slot's
+token row (slot // top-k) and maps its global expert id (int32 or int64, through ``expert_map``)
+itself, so a decode step under a CUDA graph replays exactly these.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def moe_decode_gemv(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2:
     topk = topk_ids.shape[1]
     # slot s = (token s // topk, its k-th choice): the kernel reads the token row and maps the global
     # expert id itself (int32 or int64, through expert_map) -- no index or cast launches here
-    gu = moe_gemv(*quantize_rows_triton(x), None, w13, w13_s, topk_ids, topk=topk, expert_map=expert_map)
+    xq, xs = quantize_rows_triton(x)
+    gu = moe_gemv(xq, xs, None, w13, w13_s, topk_ids, topk=topk, expert_map=expert_map)
     act = moe_triton.silu_mul_qdq(gu, intermediate)
-    d = moe_gemv(*quantize_rows_triton(act), None, w2, w2_s, topk_ids, expert_map=expert_map)
+    aq, as_ = quantize_rows_triton(act)
+    d = moe_gemv(aq, as_, None, w2, w2_s, topk_ids, expert_map=expert_map)
     tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
     return moe_triton.moe_combine(d, tw, topk_ids, expert_map)

@@ -88,7 +88,6 @@ from .. import format as F
 from . import interpreting
 from .gemm_triton import _e4m3_to_f32
 from .qdq_triton import _f32_bits_to_bf16_bits
-from .quantize_triton import _e8m0_from_amax_bits, _encode_e4m3, _scale_reciprocal
 
 # format rules as Triton compile-time constants (jit code may read only constexpr globals)
 _BLOCK = tl.constexpr(F.BLOCK_SIZE)                  # one K chunk = one scale block
@@ -100,8 +99,6 @@ _F32_NAN_BITS = tl.constexpr(F.F32_NAN_BITS)
 _F32_MAN_BITS = tl.constexpr(F.F32_MAN_BITS)
 _F32_EXP_FIELD = tl.constexpr(F.F32_EXP_MASK << F.F32_MAN_BITS)  # 0x7F800000
 _BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
-_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
-_F32_INF_BITS = tl.constexpr(F.F32_INF_BITS)
 
 VARIANTS = ("chunk", "deq")
 _VARIANT_ID = {"chunk": 0, "deq": 1}
@@ -127,37 +124,6 @@ def _word_pow2(word, C: tl.constexpr):
     else:
         b = (word << (_F32_MAN_BITS - 8 * C)) & _F32_EXP_FIELD
     return _pow2(b)
-
-
-@triton.jit
-def _quantize_chunk(x, HW: tl.constexpr):
-    """One 32-wide K chunk of activation rows (BM, 32), fp32 -> (E4M3 codes uint8 (BM, 32), fp32
-    2^(e-127) (BM,)): the rowwise quantizer of ``quantize_triton`` (the same jit functions: integer
-    amax with NaN -> 0, the E8M0 round-up, the saturating RNE cast, the NaN and -0 rules), so the
-    codes and scale bytes are those ``quantize_rows_triton`` writes; the scale decoded by ``_pow2``
-    as the GEMV decodes a stored byte."""
-    xbits = x.to(tl.int32, bitcast=True)
-    abits = xbits & _F32_ABS_MASK
-    abits = tl.where(abits > _F32_INF_BITS, 0, abits)
-    e = _e8m0_from_amax_bits(tl.max(abits, axis=1), HW)
-    q = _encode_e4m3(x, xbits, _scale_reciprocal(e)[:, None], HW)
-    return q, _pow2(e << _F32_MAN_BITS)
-
-
-@triton.jit
-def _quantize_row_chunk(x, BLOCK_M: tl.constexpr, HW: tl.constexpr):
-    """:func:`_quantize_chunk` of ONE activation row's 32-wide chunk x (32,), fp32, placed as row 0 of
-    a (BLOCK_M, 32) code tile (rows 1.. zero codes) with its power of two for every row: the
-    quantizer's work on 32 values, not on the tensor-core tile's BLOCK_M rows (decode at one token,
-    and every MoE slot)."""
-    xbits = x.to(tl.int32, bitcast=True)
-    abits = xbits & _F32_ABS_MASK
-    abits = tl.where(abits > _F32_INF_BITS, 0, abits)
-    e = _e8m0_from_amax_bits(tl.max(abits, axis=0), HW)
-    q = _encode_e4m3(x, xbits, _scale_reciprocal(e), HW)
-    row0 = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.where(row0, q[None, :].to(tl.int32), 0).to(tl.uint8)
-    return a, tl.zeros((BLOCK_M,), dtype=tl.float32) + _pow2(e << _F32_MAN_BITS)
 
 
 @triton.jit
@@ -221,11 +187,8 @@ def _grid_gemv_kernel(
     M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, steps_per_split, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     SCALE_WORDS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    VARIANT: tl.constexpr, SWAP: tl.constexpr, HW: tl.constexpr, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr,
+    VARIANT: tl.constexpr, SWAP: tl.constexpr, HW: tl.constexpr,
 ):
-    # QUANT_X: xq_ptr holds the activation rows themselves (bf16 / fp16 / fp32), quantized here, chunk by
-    # chunk, exactly as quantize_rows_triton would (xs_ptr unused): one launch instead of two.
-    # ONE_ROW (QUANT_X with M == 1): the quantizer works on the one row's 32 values per chunk
     pid = tl.program_id(0)            # output tile; M-tiles fastest so programs sharing a W slab run together
     pid_k = tl.program_id(1)          # K split
     num_m = tl.cdiv(M, BLOCK_M)
@@ -253,52 +216,36 @@ def _grid_gemv_kernel(
         # word (scale tensors viewed as int32).  Prefetched one step ahead (register double buffer).
         # (every split is non-empty; word indices are clamped into the row instead of masked)
         last_word = (k_end - 1) // _WORD_K
-        if not QUANT_X:
-            sx_next = tl.load(xs_rows + k_begin // _WORD_K, mask=m_ok, other=0)
+        sx_next = tl.load(xs_rows + k_begin // _WORD_K, mask=m_ok, other=0)
         sw_next = tl.load(ws_rows + k_begin // _WORD_K, mask=n_ok, other=0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if SCALE_WORDS:
-            if not QUANT_X:
-                sx_word = sx_next
+            sx_word = sx_next
             sw_word = sw_next
             k1 = tl.minimum((k0 + BLOCK_K) // _WORD_K, last_word)    # past the end: reload the last word
-            if not QUANT_X:
-                sx_next = tl.load(xs_rows + k1, mask=m_ok, other=0)
+            sx_next = tl.load(xs_rows + k1, mask=m_ok, other=0)
             sw_next = tl.load(ws_rows + k1, mask=n_ok, other=0)
         for c in tl.static_range(CHUNKS):
             kk = k0 + c * _BLOCK + offs_c
             if SCALE_WORDS:
-                if not QUANT_X:
-                    fx = _word_pow2(sx_word, c)
+                fx = _word_pow2(sx_word, c)
                 fw = _word_pow2(sw_word, c)
             else:
                 # a chunk past K (only when K % BLOCK_K != 0) reads the row's last scale byte:
                 # its codes are masked to 0 and 0 times any finite power of two is 0
                 kb = tl.minimum(k0 // _BLOCK + c, K // _BLOCK - 1)
-                if not QUANT_X:
-                    fx = _pow2(tl.load(xs_rows + kb, mask=m_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
+                fx = _pow2(tl.load(xs_rows + kb, mask=m_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
                 fw = _pow2(tl.load(ws_rows + kb, mask=n_ok, other=_E8M0_BIAS).to(tl.int32) << _F32_MAN_BITS)
             if EVEN_K:
-                if not ONE_ROW:
-                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
                 if EVEN_N:
                     w = tl.load(w_rows + kk[None, :])
                 else:
                     w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0)
             else:
                 k_ok = kk < k_end
-                if not ONE_ROW:
-                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            if QUANT_X:     # a chunk past K is all zeros: codes 0 (scale byte 0), adding nothing
-                if ONE_ROW:
-                    if EVEN_K:
-                        xv = tl.load(xq_ptr + kk)
-                    else:
-                        xv = tl.load(xq_ptr + kk, mask=kk < k_end, other=0)
-                    a, fx = _quantize_row_chunk(xv.to(tl.float32), BLOCK_M, HW)
-                else:
-                    a, fx = _quantize_chunk(a.to(tl.float32), HW)
             acc = _chunk_step(acc, a, w, fx, fw, VARIANT, SWAP, HW)
     if SWAP:
         acc = tl.trans(acc)
@@ -481,35 +428,18 @@ def grid_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     Meant for M <= 64 (decode); correct for any M.
     """
     m, k = xq.shape
-    if tuple(xs.shape) != (m, k // F.BLOCK_SIZE):
-        raise ValueError(f"grid_gemv: bad shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)}")
-    xq = xq.view(torch.uint8)
-    return _launch(xq, xs if xs.stride(-1) == 1 else xs.contiguous(), wq, ws, bias, out_dtype, config, out, False)
-
-
-def grid_gemv_rows(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor],
-                   out_dtype: torch.dtype, config=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``grid_gemv(*quantize_rows_triton(x), wq, ws, ...)`` in one launch: the activation rows x (M, K)
-    (bf16 / fp16 / fp32) are quantized TE-exactly inside the GEMV, chunk by chunk, with the rowwise
-    quantizer's own jit functions -- the same codes and scale bytes, so the same bits out as the two
-    launches with the same config.  Each program re-quantizes the x chunks it reads: a cross-thread amax
-    per 32-chunk in the main loop.  Measured on the H200 (ninth session) it costs more than the launch
-    it saves except at M = 1 on small layers; ``marlin.GEMV_FUSED_ROWS`` keeps it off."""
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"grid_gemv_rows: activations must be bf16 / fp16 / fp32, got {x.dtype}")
-    return _launch(x, x, wq, ws, bias, out_dtype, config, out, True)
-
-
-def _launch(xq, xs, wq, ws, bias, out_dtype, config, out, quant_x: bool) -> torch.Tensor:
-    m, k = xq.shape
     n = wq.shape[0]
-    if k % F.BLOCK_SIZE or wq.shape[1] != k or tuple(ws.shape) != (n, k // F.BLOCK_SIZE):
-        raise ValueError(f"grid_gemv: bad shapes x {tuple(xq.shape)} wq {tuple(wq.shape)} ws {tuple(ws.shape)}")
-    wq = wq.view(torch.uint8)
+    if k % F.BLOCK_SIZE or wq.shape[1] != k or tuple(xs.shape) != (m, k // F.BLOCK_SIZE) \
+            or tuple(ws.shape) != (n, k // F.BLOCK_SIZE):
+        raise ValueError(f"grid_gemv: bad shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} "
+                         f"wq {tuple(wq.shape)} ws {tuple(ws.shape)}")
+    xq, wq = xq.view(torch.uint8), wq.view(torch.uint8)
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
     if wq.stride(-1) != 1:
         wq = wq.contiguous()
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
     if ws.stride(-1) != 1:
         ws = ws.contiguous()
     dev = xq.device
@@ -529,8 +459,7 @@ def _launch(xq, xs, wq, ws, bias, out_dtype, config, out, quant_x: bool) -> torc
     block_k = F.BLOCK_SIZE * cfg.chunks
     xs_arg, ws_arg, words = xs, ws, False
     if cfg.chunks == 4 and k % (4 * F.BLOCK_SIZE) == 0:
-        xw = xs if quant_x else _scale_words(xs)        # (unused when the kernel quantizes x)
-        ww = _scale_words(ws)
+        xw, ww = _scale_words(xs), _scale_words(ws)
         if xw is not None and ww is not None:
             xs_arg, ws_arg, words = xw, ww, True
     steps = triton.cdiv(k, block_k)
@@ -548,7 +477,6 @@ def _launch(xq, xs, wq, ws, bias, out_dtype, config, out, quant_x: bool) -> torc
         k_per_split // block_k, split,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.chunks,
         SCALE_WORDS=words, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % block_k == 0,
-        VARIANT=_VARIANT_ID[cfg.variant], SWAP=cfg.swap, HW=not interpreting(), QUANT_X=quant_x,
-        ONE_ROW=quant_x and m == 1,
+        VARIANT=_VARIANT_ID[cfg.variant], SWAP=cfg.swap, HW=not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -41,8 +41,7 @@ import triton.language as tl
 
 from .. import format as F
 from . import interpreting
-from .gemv_triton import (_BLOCK, _WORD_K, _chunk_step, _num_sms, _quantize_row_chunk, _scale_words, _store_out,
-                          _wave_eff, _word_pow2)
+from .gemv_triton import _BLOCK, _WORD_K, _chunk_step, _num_sms, _scale_words, _store_out, _wave_eff, _word_pow2
 
 #: the K granularity of the kernel: one int32 word of scale bytes per step (``gemv_triton._WORD_K``)
 K_STEP = _WORD_K.value
@@ -53,10 +52,8 @@ def _moe_gemv_kernel(
     xq_ptr, xs_ptr, rows_ptr, wq_ptr, ws_ptr, eid_ptr, emap_ptr, y_ptr,
     S, N, K, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
     HAS_ROWS: tl.constexpr, TOPK: tl.constexpr, HAS_MAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr, QUANT_X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr,
 ):
-    # QUANT_X: xq_ptr holds the activation rows (bf16 / fp16 / fp32), each slot's row quantized here chunk
-    # by chunk with the rowwise quantizer's jit functions (xs_ptr unused): no quantize launch before
     CHUNKS: tl.constexpr = _WORD_K // _BLOCK          # 32-wide chunks per step (one scale byte each)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)                              # the slot
@@ -81,26 +78,19 @@ def _moe_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # the scale bytes of a row for one _WORD_K step are one int32 word, prefetched one step ahead
     last_word = (K - 1) // _WORD_K
-    if not QUANT_X:
-        sx_next = tl.load(xs_row, mask=m_ok, other=0)
+    sx_next = tl.load(xs_row, mask=m_ok, other=0)
     sw_next = tl.load(ws_rows, mask=n_ok, other=0)
     for k0 in range(0, K, _WORD_K):
-        if not QUANT_X:
-            sx_word = sx_next
+        sx_word = sx_next
         sw_word = sw_next
         k1 = tl.minimum((k0 + _WORD_K) // _WORD_K, last_word)
-        if not QUANT_X:
-            sx_next = tl.load(xs_row + k1, mask=m_ok, other=0)
+        sx_next = tl.load(xs_row + k1, mask=m_ok, other=0)
         sw_next = tl.load(ws_rows + k1, mask=n_ok, other=0)
         for c in tl.static_range(CHUNKS):
             kk = k0 + c * _BLOCK + offs_c
+            fx = _word_pow2(sx_word, c)
             fw = _word_pow2(sw_word, c)
-            if QUANT_X:          # the slot's one row: the quantizer works on its 32 values
-                xv = tl.load(xq_ptr + row * stride_xm + kk, mask=offs_c < tl.where(live, _BLOCK, 0), other=0)
-                a, fx = _quantize_row_chunk(xv.to(tl.float32), BLOCK_M, HW)
-            else:
-                fx = _word_pow2(sx_word, c)
-                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0)
             # the mask is constant along K (per weight row): the loads stay 16-byte vectors
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0)
             acc = _chunk_step(acc, a, w, fx, fw, 0, False, HW)
@@ -139,8 +129,7 @@ def _index_vector(v: torch.Tensor) -> torch.Tensor:
     return v if v.is_contiguous() else v.contiguous()
 
 
-def moe_gemv(xq: torch.Tensor, xs: Optional[torch.Tensor], rows: Optional[torch.Tensor], wq: torch.Tensor,
-             ws: torch.Tensor,
+def moe_gemv(xq: torch.Tensor, xs: torch.Tensor, rows: Optional[torch.Tensor], wq: torch.Tensor, ws: torch.Tensor,
              experts: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
              block_n: Optional[int] = None, *, topk: int = 1,
              expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -151,31 +140,22 @@ def moe_gemv(xq: torch.Tensor, xs: Optional[torch.Tensor], rows: Optional[torch.
     ``topk_ids.reshape(-1)``; ``topk`` ignored when rows are given).  ``expert_map`` (global -> local
     id, -1: another rank's): the experts are global ids, mapped in the kernel (a negative id stays
     another rank's), as ``ops.local_expert_ids`` maps them.
-    ``xs=None``: xq holds the activation rows themselves (bf16 / fp16 / fp32), quantized TE-exactly inside
-    the kernel (the rowwise quantizer's jit functions: the same bits out as ``quantize_rows_triton`` first;
-    measured slower on the H200 than that extra launch, so the MoE layer does not use it).
     K % 128 == 0.  Meant for decode (S up to a few hundred); correct for any S.
     """
     t, k = xq.shape
     e_n, n, k2 = wq.shape
     s = experts.numel()
-    quant_x = xs is None
-    if quant_x and xq.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"moe_gemv: with xs=None the activations must be bf16 / fp16 / fp32, got {xq.dtype}")
     if (rows is not None and rows.numel() != s) or topk < 1:
         raise ValueError(f"moe_gemv: rows {rows.numel() if rows is not None else None} for {s} experts, topk {topk}")
-    if not moe_gemv_shape_ok(k) or k2 != k or (not quant_x and tuple(xs.shape) != (t, k // F.BLOCK_SIZE)) \
+    if not moe_gemv_shape_ok(k) or k2 != k or tuple(xs.shape) != (t, k // F.BLOCK_SIZE) \
             or tuple(ws.shape) != (e_n, n, k // F.BLOCK_SIZE):
-        raise ValueError(f"moe_gemv: bad shapes xq {tuple(xq.shape)} xs {None if quant_x else tuple(xs.shape)} "
-                         f"wq {tuple(wq.shape)} "
+        raise ValueError(f"moe_gemv: bad shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} wq {tuple(wq.shape)} "
                          f"ws {tuple(ws.shape)} experts {s} (K must be a multiple of {K_STEP})")
     y = torch.empty((s, n), dtype=out_dtype, device=xq.device)
     if s == 0 or n == 0:
         return y
-    xq = xq.contiguous() if quant_x else xq.contiguous().view(torch.uint8)
-    wq = wq.contiguous().view(torch.uint8)
-    xw = xq if quant_x else _scale_words(xs.contiguous())          # (unused when the kernel quantizes x)
-    ww = _scale_words(ws.contiguous().view(e_n * n, -1))
+    xq, wq = xq.contiguous().view(torch.uint8), wq.contiguous().view(torch.uint8)
+    xw, ww = _scale_words(xs.contiguous()), _scale_words(ws.contiguous().view(e_n * n, -1))
     if xw is None or ww is None:
         raise ValueError("moe_gemv: the scales must be viewable as int32 words (4-byte aligned rows)")
     ww = ww.view(e_n, n, k // K_STEP)
@@ -190,6 +170,6 @@ def moe_gemv(xq: torch.Tensor, xs: Optional[torch.Tensor], rows: Optional[torch.
         xq, xw, experts if rows is None else rows, wq, ww, experts, experts if emap is None else emap, y,
         s, n, k, xq.stride(0), xw.stride(0), wq.stride(0), wq.stride(1), ww.stride(0), ww.stride(1), y.stride(0),
         HAS_ROWS=rows is not None, TOPK=topk if rows is None else 1, HAS_MAP=emap is not None,
-        BLOCK_M=16, BLOCK_N=block_n, HW=not interpreting(), QUANT_X=quant_x,
+        BLOCK_M=16, BLOCK_N=block_n, HW=not interpreting(),
         num_warps=4, num_stages=1 if interpreting() else 4)
     return y
