@@ -1,12 +1,13 @@
 """Time of an in-place weight update of a real-shape model, against the raw copy of the same bytes.
 
     python benchmarks/bench_update.py --shape qwen3-8b --layers 36 --out $OUT/update.json \
-        [--transports cuda_ipc,nccl] [--formats bf16,mxfp8] [--checks off,sampled,full] [--reps 2]
+        [--transports cuda_ipc,cuda_ipc_tensors,nccl] [--formats bf16,mxfp8] [--checks off,sampled,full] [--reps 2]
 
 A vLLM engine (TP=1, GPU 0, ``load_format="dummy"``, eager) serves a Qwen3-8B-shaped model on
 the grid.  A trainer in this process holds the full HF-named state on
 
-* GPU 0 (``cuda_ipc``: colocated, the engine maps the trainer's buffers), or
+* GPU 0 (``cuda_ipc``: colocated, each bucket packed into the trainer's staging buffer and mapped
+  with one IPC handle; ``cuda_ipc_tensors``: one handle per tensor, the trainer's own buffers), or
 * GPU 1 (``nccl``: broadcast from the trainer's GPU to the engine's worker),
 
 and calls ``client.update_weights`` in both formats (``bf16``: the engine quantizes;
@@ -19,7 +20,13 @@ and calls ``client.update_weights`` in both formats (``bf16``: the engine quanti
 Baselines measured in the same run: ``copy_local`` (the same tensors ``copy_``-ed into
 preallocated buffers on GPU 0: the bytes an update must write) and ``copy_peer`` (GPU 1 ->
 GPU 0, the bytes over NVLink).  Reported: seconds per update (median of ``--reps`` after one
-warm-up), the phases, and the ratio to the baseline.  Each update's report must be ok.
+warm-up), the phases (the client's, and the slowest rank's as ``rank_*``: ``read_s`` receiving the
+buckets, ``loaders_s`` the engine's loaders under the recorder, ``refresh_s`` the derived tensors), and
+the ratio to the baseline.  Each update's report must be ok.
+
+``--profile``: after the timed runs, one more update per format (sampled checks) under cProfile in
+the engine's worker (started and read back through ``collective_rpc``); the top functions by
+cumulative and by own time go to the output's ``profiles``.
 """
 
 from __future__ import annotations
@@ -95,6 +102,27 @@ def timed_copy(src: dict, device) -> float:
     return el
 
 
+def _profile_start(worker):
+    """Runs in the engine's worker (``collective_rpc``): profile what the next RPCs do."""
+    import cProfile
+    worker._bench_profile = cProfile.Profile()
+    worker._bench_profile.enable()
+    return True
+
+
+def _profile_stop(worker, top: int = 35):
+    import io
+    import pstats
+    prof = worker._bench_profile
+    prof.disable()
+    out = {}
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        out[key] = buf.getvalue()
+    return out
+
+
 def trainer_device(transport: str):
     import torch
     if transport == "nccl":
@@ -106,13 +134,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--transports", default="cuda_ipc,nccl")
+    ap.add_argument("--transports", default="cuda_ipc,cuda_ipc_tensors,nccl")
     ap.add_argument("--formats", default="bf16,mxfp8")
     ap.add_argument("--checks", default="off,sampled,full")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default="/tmp/update.json")
     ap.add_argument("--root", default="/tmp/grid-models")
+    ap.add_argument("--profile", action="store_true", help="one cProfiled update per format (worker side)")
     args = ap.parse_args()
+    if args.profile:                  # collective_rpc with a function (the profiler hooks) needs this
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     import torch
     from vllm import LLM
@@ -172,6 +203,15 @@ def main():
                        "all_ok": ok, "phases_last": phases}
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)
+            if args.profile:
+                client.digest, client.backup = "sampled", "device"
+                llm.collective_rpc(_profile_start)
+                r = client.update_weights(named, format=fmt)
+                prof = llm.collective_rpc(_profile_stop)[0]
+                res.setdefault("profiles", {})[f"{transport}/{fmt}"] = {"ok": r.ok, "total_s": r.timings["total_s"],
+                                                                       **prof}
+                print(f"--- profile {transport}/{fmt} (update {r.timings['total_s']:.3f} s under cProfile)\n"
+                      + "\n".join(prof["tottime"].splitlines()[:45]), flush=True)
         del bf16, data
         if gpu:
             torch.cuda.empty_cache()

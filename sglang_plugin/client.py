@@ -50,7 +50,8 @@ from mxfp8_learner_grid.common.sync.transport import run_beside
 from .updater import GRID_LOADER
 
 STAGINGS = BridgeTransport.STAGINGS
-ALIASES = {"shm": "tensor", "cuda_ipc": "tensor"}    # the vLLM plugin's names: SGLang's serializer picks by device
+#: the vLLM plugin's staging names: SGLang's serializer picks by device
+ALIASES = {"shm": "tensor", "cuda_ipc": "tensor", "cuda_ipc_tensors": "tensor"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 

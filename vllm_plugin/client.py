@@ -9,7 +9,9 @@
 Bulk bytes travel (``staging=``):
 
 * ``"shm"`` -- safetensors files in shared memory (``/dev/shm``): the CPU path, any host-local trainer;
-* ``"cuda_ipc"`` -- CUDA IPC handles when trainer and engine share a GPU (in-process only: IPC
+* ``"cuda_ipc"`` -- CUDA IPC when trainer and engine share a GPU: each bucket packed into one
+  staging buffer the trainer keeps (one handle per bucket); ``"cuda_ipc_tensors"`` maps the
+  trainer's own tensors instead, one handle each, no copy (in-process only: IPC
   handles are pickles and are never accepted over HTTP);
 * ``"nccl"`` -- an NCCL broadcast from the trainer's GPU to every engine worker (in-process or
   over HTTP), over a group formed at connect time: ``connect(llm, staging="nccl",
@@ -86,7 +88,7 @@ class HTTPTransport(JSONClient, _Staging):
 
     def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600, model: Optional[str] = None,
                  staging: str = "shm"):
-        if staging == "cuda_ipc":
+        if staging.startswith("cuda_ipc"):
             raise ValueError("CUDA IPC handles are never accepted over HTTP; use staging='shm' or 'nccl'")
         _Staging.__init__(self, staging)
         JSONClient.__init__(self, base_url, api_key, timeout)

@@ -17,6 +17,9 @@ over HTTP.  The trainer-side client (``vllm_plugin.client``) drives them:
 from __future__ import annotations
 
 import json
+import time
+
+import torch
 
 from mxfp8_learner_grid.common.sync.rank_service import RankService
 from mxfp8_learner_grid.common.sync.security import check_rendezvous
@@ -56,8 +59,16 @@ class GridWorkerExtension:
 
     def grid_update_load(self, source_json: str) -> dict:
         # the bytes are received first (an NCCL broadcast must be drained even when it is refused)
-        tensors = read_source(source_json, self._device(), nccl=getattr(self, "_grid_nccl", None))
-        return self._service().load(tensors.items())
+        source = json.loads(source_json)
+        device = self._device()
+        t0 = time.perf_counter()
+        tensors = read_source(source, device, nccl=getattr(self, "_grid_nccl", None))
+        try:
+            return self._service().load(tensors.items(), read_s=time.perf_counter() - t0)
+        finally:
+            if source.get("kind") == "cuda_ipc":
+                del tensors                   # no view of the trainer's buffer outlives this call,
+                torch.cuda.current_stream(device).synchronize()   # and every read of it is done
 
     def grid_update_finish(self) -> dict:
         return self._service().finish()

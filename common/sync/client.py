@@ -124,6 +124,8 @@ class GridSyncClient:
             t0 = time.perf_counter()
             ranks = [SyncReport.from_dict(d) for d in self.t.rpc("grid_update_finish")]
             timings["engine_checks_s"] = time.perf_counter() - t0
+            for key in sorted({k for r in ranks for k in r.timings}):     # the slowest rank's phases
+                timings[f"rank_{key}"] = max(float(r.timings.get(key, 0.0)) for r in ranks)
             for r in ranks:
                 report.checks += r.checks
                 if r.error:
@@ -187,6 +189,9 @@ class GridSyncClient:
         finally:
             if paused:
                 self.t.resume()
+            done = getattr(self.t, "done", None)
+            if done is not None:
+                done()                      # the staging memory of this update back to the trainer
         timings["total_s"] = time.perf_counter() - t_all
         return report
 

@@ -83,23 +83,25 @@ class _Source:
     name: str
     role: str
     base_shape: tuple
-    base_offset: int
-    end: int = 0              # one past the last storage element the source covers
+    base_offset: int          # storage offset, in elements of the source's dtype (for its boxes)
+    lo: int = 0               # [lo, hi): the storage bytes the source covers (sources of one storage
+    hi: int = 0               #   may differ in dtype: a packed bucket holds fp8, scales and bf16)
     ref: Optional[Callable] = None   # weak reference to the tensor: a freed tensor's memory gets reused
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) storage elements a (strided) tensor touches."""
+    """[first, last + 1) storage *bytes* a (strided) tensor touches."""
+    es = t.element_size()
     if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
+        return t.storage_offset() * es, t.storage_offset() * es
     hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return t.storage_offset(), hi + 1
+    return t.storage_offset() * es, (hi + 1) * es
 
 
 def _nan_codes(t: torch.Tensor) -> torch.Tensor:
     """0-dim bool: does the fp8 tensor hold an E4M3 NaN code (0x7F / 0xFF)?  Not read here (no sync)."""
     b = t.view(torch.uint8)
-    return ((b & 0x7F) == 0x7F).any()
+    return ((b & F.E4M3_NAN_BYTE) == F.E4M3_NAN_BYTE).any()      # the NaN code is every non-sign bit set
 
 
 @dataclass
@@ -124,14 +126,14 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
 
         Sources are keyed by storage *and* element range: several learner tensors can be views
         of one storage (transformers' fused experts exported per expert, CUDA IPC handles of
-        slices of one buffer), and each keeps its own name."""
+        slices of one buffer, a packed CUDA IPC bucket), and each keeps its own name."""
         lo, hi = _extent(t)
         lst = self._sources.setdefault(t.untyped_storage().data_ptr(), [])
-        lst[:] = [x for x in lst if x.ref() is not None and not (x.base_offset == lo and x.end == hi)]
-        lst.append(_Source(name, role, tuple(t.shape), lo, hi, weakref.ref(t)))
+        lst[:] = [x for x in lst if x.ref() is not None and not (x.lo == lo and x.hi == hi)]
+        lst.append(_Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t)))
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
-        """The registered source whose element range contains ``t``'s (the innermost, if nested)."""
+        """The registered source whose byte range contains ``t``'s (the innermost, if nested)."""
         try:
             lst = self._sources.get(t.untyped_storage().data_ptr())
         except Exception:
@@ -139,10 +141,10 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         if not lst:
             return None
         lo, hi = _extent(t)
-        inside = [x for x in lst if x.ref() is not None and x.base_offset <= lo and hi <= max(x.end, x.base_offset + 1)]
+        inside = [x for x in lst if x.ref() is not None and x.lo <= lo and hi <= max(x.hi, x.lo + 1)]
         if not inside:
             return None
-        return min(inside, key=lambda x: x.end - x.base_offset)
+        return min(inside, key=lambda x: x.hi - x.lo)
 
     # -- dispatch ------------------------------------------------------------------
     def _param_of(self, t: torch.Tensor):
@@ -169,7 +171,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         """Raise :class:`UpdateRejected` for the first failed content check, in write order."""
         if not pending:
             return
-        from .derived import read_flags
+        from .digest import read_flags
         for (message, _), bad in zip(pending, read_flags([f for _, f in pending])):
             if bad:
                 raise UpdateRejected(message)

@@ -89,7 +89,9 @@ class UpdateSession:
         # derived tensors as found, before the replay rewrites them
         self.stale_before = adapter.derived().stale() if self.verify else []
         adapter.begin()
-        self.timings = {"begin_s": _now() - t0, "load_s": 0.0}
+        # seconds on this rank: load_s (whole buckets) of which loaders_s (the engine's loaders under
+        # the recorder, content checks read) and refresh_s (derived tensors rebuilt after each bucket)
+        self.timings = {"begin_s": _now() - t0, "load_s": 0.0, "loaders_s": 0.0, "refresh_s": 0.0}
 
     # -- loading ---------------------------------------------------------------------
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -111,9 +113,13 @@ class UpdateSession:
                                                                      else "plain")
                 self.recorder.add_source(t, name, role)
             n_before = len(self.recorder.writes)
+            t1 = _now()
             with deferred_refresh():           # each written layer's derived tensors rebuilt once, after the bucket
                 with self.recorder:
                     self.adapter.load(items)
+                t2 = _now()
+            self.timings["loaders_s"] += t2 - t1
+            self.timings["refresh_s"] += _now() - t2
             written = {w.source for w in self.recorder.writes[n_before:]}
             self.silent += [n for n, _ in items if n not in written]
             self.received.update(n for n, _ in items)

@@ -5,8 +5,13 @@ same call works in-process and over HTTP); the bytes travel beside it:
 
 * ``{"kind": "safetensors", "path": ...}`` -- a file; under ``/dev/shm`` that is shared memory
   (the CPU path, and any host-local trainer).
-* ``{"kind": "cuda_ipc", "tensors": {name: handle}}`` -- colocated on one GPU: the engine
-  maps the trainer's CUDA buffers (``torch.multiprocessing`` IPC handles), no copy.
+* ``{"kind": "cuda_ipc", "buffer": handle, "tensors": [[name, dtype, shape, byte_offset], ...]}``
+  -- colocated on one GPU, packed: the trainer copies the bucket into one staging buffer it
+  keeps (device to device, :func:`pack_bucket`), and the engine maps that buffer with one
+  ``torch.multiprocessing`` IPC handle and reads each tensor as a view of it.  One handle per
+  bucket instead of one per tensor (each costs an IPC open and an event wait on the engine side).
+* ``{"kind": "cuda_ipc", "tensors": {name: handle}}`` -- the same, unpacked (staging
+  ``"cuda_ipc_tensors"``): the engine maps each of the trainer's own buffers, no copy.
 * ``{"kind": "nccl", "tensors": [[name, dtype, shape], ...]}`` -- the trainer on another GPU
   broadcasts the tensors, in this order, over an NCCL group it formed with the engine's
   workers (rank 0 = the trainer); each worker receives into fresh buffers.  The engine
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 import tempfile
@@ -57,10 +63,64 @@ def write_safetensors_bucket(bucket: list[tuple[str, torch.Tensor]], directory: 
     return {"kind": "safetensors", "path": path}
 
 
-def cuda_ipc_source(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+def _handle(t: torch.Tensor) -> str:
     from torch.multiprocessing.reductions import reduce_tensor
-    handles = {n: base64.b64encode(pickle.dumps(reduce_tensor(t.detach().contiguous()))).decode() for n, t in bucket}
-    return {"kind": "cuda_ipc", "tensors": handles}
+    return base64.b64encode(pickle.dumps(reduce_tensor(t))).decode()
+
+
+def _open(handle: str) -> torch.Tensor:
+    fn, args = pickle.loads(base64.b64decode(handle))
+    return fn(*args)
+
+
+def cuda_ipc_source(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """One IPC handle per tensor of the bucket (the trainer's buffers, no copy)."""
+    return {"kind": "cuda_ipc", "tensors": {n: _handle(t.detach().contiguous()) for n, t in bucket}}
+
+
+#: byte alignment of each tensor in a packed bucket (the kernels' vector loads, 4-byte scale rows)
+PACK_ALIGN = 256
+
+
+def pack_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
+    """([[name, dtype, shape, byte_offset], ...], bytes needed) of ``bucket`` packed at PACK_ALIGN."""
+    layout, off = [], 0
+    for name, t in bucket:
+        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off])
+        off += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+    return layout, off
+
+
+def packed_views(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """The tensors of a packed bucket as views of its uint8 buffer ``flat``."""
+    out = {}
+    for name, dtype, shape, off in layout:
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"{name}: unknown dtype {dtype!r} in a packed bucket")
+        shape = [int(x) for x in shape]
+        nbytes = dt.itemsize * math.prod(shape)
+        off = int(off)
+        if off < 0 or off % PACK_ALIGN or off + nbytes > flat.numel():
+            raise ValueError(f"{name}: bytes [{off}, {off + nbytes}) lie outside the packed bucket "
+                             f"({flat.numel()} bytes) or off its {PACK_ALIGN}-byte alignment")
+        out[name] = flat[off:off + nbytes].view(dt).view(shape)
+    return out
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list]:
+    """Copy ``bucket`` into one uint8 buffer (``buffer`` reused when it is large enough and on the
+    bucket's device, else a new one): (buffer, layout)."""
+    layout, need = pack_layout(bucket)
+    device = bucket[0][1].device if bucket else torch.device("cpu")
+    if buffer is None or buffer.numel() < need or buffer.device != device:
+        buffer = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+    views = packed_views(buffer, layout)
+    with torch.no_grad():
+        for name, t in bucket:
+            views[name].copy_(t.detach())
+    return buffer, layout
 
 
 def nccl_source(bucket: list[tuple[str, torch.Tensor]]) -> dict:
@@ -100,11 +160,9 @@ def read_source(source: dict | str, device: torch.device | str = "cpu", nccl=Non
         from safetensors.torch import load_file
         return load_file(source["path"], device=str(device))
     if kind == "cuda_ipc":
-        out = {}
-        for name, h in source["tensors"].items():
-            fn, args = pickle.loads(base64.b64decode(h))
-            out[name] = fn(*args)
-        return out
+        if "buffer" in source:
+            return packed_views(_open(source["buffer"]), source["tensors"])
+        return {name: _open(h) for name, h in source["tensors"].items()}
     raise ValueError(f"unknown update source kind {kind!r}")
 
 
@@ -132,18 +190,28 @@ def run_beside(fn, *args):
 
 
 class Stager:
-    """The trainer side of the bucket sources above, for a transport to mix in: ``stage`` a bucket
-    (``"shm"``: a safetensors file in shared memory; ``"cuda_ipc"``: IPC handles, the trainer's
-    buffers kept alive until ``release``; ``"nccl"``: a description, the bytes pushed by ``send``
-    over ``self.nccl``, the group the transport formed), ``release`` it after the load."""
+    """The trainer side of the bucket sources above, for a transport to mix in: ``stage`` a bucket,
+    ``send`` its bytes where the transport pushes them, ``release`` it after the engine's load.
 
-    STAGINGS = ("shm", "cuda_ipc", "nccl")
+    * ``"shm"``: a safetensors file in shared memory;
+    * ``"cuda_ipc"``: the bucket packed into one staging buffer on the trainer's GPU, allocated on
+      the first bucket and reused by every later one of the update (it grows only for a larger
+      bucket: one bucket's bytes of GPU memory, freed by ``done`` when the update ends), mapped by
+      the engine with one IPC handle.  Reuse is safe because the engine's load call returns only
+      after its reads are done (the worker synchronizes its stream before it returns);
+    * ``"cuda_ipc_tensors"``: one IPC handle per tensor, the trainer's own buffers (no copy),
+      kept alive until ``release``;
+    * ``"nccl"``: a description; ``send`` broadcasts the bytes over ``self.nccl``, the group the
+      transport formed."""
+
+    STAGINGS = ("shm", "cuda_ipc", "cuda_ipc_tensors", "nccl")
 
     def __init__(self, staging: str):
         if staging not in self.STAGINGS:
             raise ValueError(f"staging must be one of {self.STAGINGS}; got {staging!r}")
         self.staging = staging
         self._keep = []
+        self._buffer: torch.Tensor | None = None     # the packed cuda_ipc staging buffer
         self.nccl = None
 
     def stage(self, bucket) -> dict:
@@ -152,7 +220,11 @@ class Stager:
                 raise RuntimeError("staging='nccl' needs init_nccl() first (connect(..., nccl={...}) does it)")
             return nccl_source(bucket)
         if self.staging == "cuda_ipc":
-            self._keep = [t for _, t in bucket]       # the trainer's buffers must outlive the load
+            self._buffer, layout = pack_bucket(bucket, self._buffer)
+            return {"kind": "cuda_ipc", "buffer": _handle(self._buffer), "tensors": layout}
+        if self.staging == "cuda_ipc_tensors":
+            bucket = [(n, t.detach().contiguous()) for n, t in bucket]
+            self._keep = [t for _, t in bucket]       # the mapped buffers (copies where not contiguous) outlive the load
             return cuda_ipc_source(bucket)
         return write_safetensors_bucket(bucket)
 
@@ -167,4 +239,9 @@ class Stager:
                 os.unlink(source["path"])
             except FileNotFoundError:
                 pass
+        self._keep = []
+
+    def done(self) -> None:
+        """The update ended (applied or not): drop the staging buffer."""
+        self._buffer = None
         self._keep = []
