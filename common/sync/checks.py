@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 
-from .derived import differs, read_flags
+from .derived import differs
+from .digest import read_flags
 from .regions import coverage_problems, slice_box
 from .report import CheckResult
 

@@ -17,14 +17,16 @@ comparison is queued (peak memory: one rebuild) and synchronizes once per device
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 
+from .digest import Flag, read_flags
+
+__all__ = ["Derived", "DerivedRegistry", "Flag", "differs", "read_flags"]
+
 # item size -> an integer dtype of that size: the view that compares bit patterns
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-Flag = Union[bool, torch.Tensor]      # a decided answer, or a 0-dim bool tensor not yet read
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -49,19 +51,6 @@ def differs(live: torch.Tensor, built: torch.Tensor) -> Flag:
     if live.device.type == "cpu":
         return not torch.equal(a, b)         # no device to stay ahead of: decide now
     return torch.ne(a, b).any()
-
-
-def read_flags(flags: list[Flag]) -> list[bool]:
-    """Resolve the flags: one ``stack(...).tolist()`` (one synchronization) per device."""
-    out: list[bool] = [f if isinstance(f, bool) else False for f in flags]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, f in enumerate(flags):
-        if not isinstance(f, bool):
-            by_device.setdefault(f.device, []).append(i)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
-            out[i] = bool(v)
-    return out
 
 
 @dataclass

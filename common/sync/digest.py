@@ -13,7 +13,25 @@ write regions, seeded -- ``UpdateSession``'s ``digest=`` -- and fingerprints eac
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
+
+Flag = Union[bool, torch.Tensor]      # a decided answer, or a 0-dim bool tensor not yet read
+
+
+def read_flags(flags: list[Flag]) -> list[bool]:
+    """Resolve checks queued on devices: one ``stack(...).tolist()`` (one synchronization) per device.
+    The derived-state check, ``engine_as_found`` and the write recorder's content checks use it."""
+    out: list[bool] = [f if isinstance(f, bool) else False for f in flags]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        if not isinstance(f, bool):
+            by_device.setdefault(f.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+            out[i] = bool(v)
+    return out
 
 _MUL = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MUL2 = -4658895280553007687         # 0xBF58476D1CE4E5B9 as int64
