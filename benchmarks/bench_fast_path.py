@@ -72,6 +72,18 @@ def make_layer(n, k, seed, crossover, band=None, copy_rows=0, gemv_rows=0):
     return layer
 
 
+def exact_ref(x, q, s):
+    """The grid result: qdq(x) times the dequantized weight, summed exactly (float64), rounded once to bf16."""
+    return (dequantize_blocks(*quantize_rows(x)).double() @ dequantize_blocks(q, s).double().t()).to(torch.bfloat16)
+
+
+def on_grid(y, ref, what=""):
+    """Raise unless at least 99% of ``y``'s elements equal the exact result (summation order moves the rest)."""
+    eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+    if eq < 0.99:
+        raise AssertionError(f"{what}only {eq:.4f} of elements equal the exact result")
+
+
 def time_graph(fns):
     """us per call of a list of calls (one per weight copy), captured in one CUDA graph."""
     def run():
@@ -129,12 +141,9 @@ def main():
                     failed.add(name)
                     continue
                 lay = lays[0]
-                ref = (dequantize_blocks(*quantize_rows(x)).double()
-                       @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
+                ref = exact_ref(x, lay.weight, lay.weight_scale_inv)
                 try:
-                    y = lay.grid_kernel.apply(lay, x)
-                    eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
-                    assert eq >= 0.99, f"{sname} M={m} {name}: only {eq:.4f} of elements equal the exact result"
+                    on_grid(lay.grid_kernel.apply(lay, x), ref, f"{sname} M={m} {name}: ")
                 except Exception as exc:       # an arm off the grid (or broken) is not timed
                     print(f"{sname} M={m} {name} NOT TIMED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     failed.add(name)
@@ -165,13 +174,10 @@ def main():
             arms = {a: f for a, f in arms.items() if a not in failed}
             if args.w8a16_sweep and "grid_w8a16" not in failed and m in set(map(int, args.sweep_ms.split(","))):
                 lay = lay_w[0]
-                ref = (dequantize_blocks(*quantize_rows(x)).double()
-                       @ dequantize_blocks(lay.weight, lay.weight_scale_inv).double().t()).float().to(torch.bfloat16)
+                ref = exact_ref(x, lay.weight, lay.weight_scale_inv)
                 for cfg in sweep_configs(m, n, k, sms, w8a16_config(m, n, k, sms)):
                     try:       # a config counts only if it is on the grid (the exact sum rounded once)
-                        y = w8a16_gemm(qdq_rows(x, torch.bfloat16), lay.weight, lay.weight_scale_inv, cfg)
-                        eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
-                        assert eq >= 0.99, f"only {eq:.4f} of elements equal the exact result"
+                        on_grid(w8a16_gemm(qdq_rows(x, torch.bfloat16), lay.weight, lay.weight_scale_inv, cfg), ref)
                     except Exception as exc:
                         print(f"{sname} M={m} w8a16:{cfg} NOT TIMED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue

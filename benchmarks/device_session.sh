@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # What one H200 lease runs (see BENCHMARKS.md).  Usage on the device, from the repo root:
+#   bash benchmarks/device_session.sh gpu            # every GPU test (tests/gpu)
+#   bash benchmarks/device_session.sh w8a16p         # experiment: W8A16 with per-32 FP32 promotion vs Marlin / W8A16 / BF16
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
@@ -38,6 +40,13 @@ fi
 export PYTHONPATH=/tmp/grid${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 case "${1:-kernels}" in
+  gpu)    # every GPU test
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+    ;;
+  w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)
+    python3 benchmarks/exp_w8a16_promote.py --out "$OUT/w8a16p.jsonl" ${W8A16P_ARGS:-} 2>&1 | tee "$OUT/w8a16p.log" \
+      | grep -E "M=|W8A16P_SUM|Error|direct" | tail -40
+    ;;
   kernels)
     python3 -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     python3 benchmarks/bench_quantize.py --sweep --json "$OUT/bench_quantize.json" 2>&1 | tee "$OUT/bench_quantize.log"
