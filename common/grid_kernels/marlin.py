@@ -49,8 +49,9 @@ from .base import GridKernel, LayerSpec, bf16_output_no_bias
 #: and dequantize + cuBLAS from M = 256 (30B-A3B qkv: from 64); see BENCHMARKS.md.
 DEFAULT_PREFILL_CROSSOVER = 256
 
-_SCALE_PERM = [i + 8 * j for i in range(8) for j in range(8)]     # vLLM get_scale_perms()[0]
-_E8M0_PAIR_ORDER = [0, 2, 1, 3]                                    # vLLM mxfp8_marlin_process_scales
+#: vLLM's scale permutation (``get_scale_perms()[0]``: [i + 8 j for i < 8 for j < 8]) transposes 8 x 8
+#: blocks of each row of 64; ``mxfp8_marlin_process_scales``' byte order [0, 2, 1, 3] transposes 2 x 2
+_PERM_SIDE = 8
 
 
 def marlin_shape_ok(n: int, k: int) -> bool:
@@ -64,8 +65,10 @@ def marlin_scales(s: torch.Tensor) -> torch.Tensor:
     The same bytes vLLM's ``marlin_permute_scales`` + ``mxfp8_marlin_process_scales`` produce
     (they round-trip through the model dtype, which is exact for E8M0 255 > byte > 0 and 0)."""
     n, g = s.shape
-    t = s.t().contiguous().reshape(-1, len(_SCALE_PERM))[:, _SCALE_PERM].reshape(-1, n)
-    return t.reshape(-1, 4)[:, _E8M0_PAIR_ORDER].reshape(g, n).contiguous()
+    # both permutations are transposes of small blocks (8 x 8, then 2 x 2), done as views: indexing
+    # with the lists would copy an index tensor to the GPU and synchronize, on every refresh
+    t = s.t().contiguous().reshape(-1, _PERM_SIDE, _PERM_SIDE).transpose(1, 2).reshape(-1, n)
+    return t.reshape(-1, 2, 2).transpose(1, 2).reshape(g, n).contiguous()
 
 
 def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
