@@ -58,15 +58,16 @@ def make_tokenizer(path: Path, vocab_size: int = 384):
     return tok.get_vocab_size()
 
 
-def build_model(moe: bool = False, seed: int = 0, std: float = 0.08, vocab_size: int = 384):
+def build_model(moe: bool = False, seed: int = 0, std: float = 0.08, vocab_size: int = 384, **overrides):
     """A transformers Qwen3(-MoE) model with seeded random bf16 weights (std chosen so that
-    the next-token distribution is peaked enough for greedy decoding to be stable)."""
+    the next-token distribution is peaked enough for greedy decoding to be stable).
+    ``overrides``: config fields to change (e.g. ``head_dim``)."""
     import transformers
     cfg_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
     model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     cfg = cfg_cls(vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                  torch_dtype="bfloat16", **(MOE if moe else DENSE))
+                  torch_dtype="bfloat16", **{**(MOE if moe else DENSE), **overrides})
     torch.manual_seed(seed)
     model = model_cls(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -79,12 +80,13 @@ def build_model(moe: bool = False, seed: int = 0, std: float = 0.08, vocab_size:
     return model.to(torch.bfloat16).eval()
 
 
-def save_model(path: os.PathLike, moe: bool = False, seed: int = 0) -> Path:
-    """Write a BF16 HF checkpoint (config, safetensors, tokenizer) to ``path``; returns it."""
+def save_model(path: os.PathLike, moe: bool = False, seed: int = 0, **overrides) -> Path:
+    """Write a BF16 HF checkpoint (config, safetensors, tokenizer) to ``path``; returns it.
+    ``overrides``: config fields to change (``build_model``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(path)
-    model = build_model(moe=moe, seed=seed, vocab_size=vocab)
+    model = build_model(moe=moe, seed=seed, vocab_size=vocab, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
     return path

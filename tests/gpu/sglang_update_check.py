@@ -116,10 +116,13 @@ def fault_specs(bf16: dict, wire: dict) -> list[dict]:
     n = "model.layers.1.self_attn.v_proj.weight"
     p = {k: v for k, v in bf16.items() if k != n}
     add("missing_tensor", p, "bf16", "completeness", n, "manifest")
-    n = "model.layers.0.self_attn.k_proj.weight_scale_inv"            # [64, 4] -> TE's (128, 4) buffer
+    def padded(t):                                                    # TE's buffer: rows to 128, K/32 to 4
+        return pad_scales(t, rowwise_scale_shape(t.shape[0], t.shape[1] * 32)).contiguous()
+    # the first scale TE pads (dense: k_proj [64, 4] -> (128, 4); with the MoE model's head_dim 64 no
+    # attention scale is padded, so an expert's gate_proj [64, 4] -> (128, 4))
+    n = next(k for k, t in wire.items() if k.endswith("_scale_inv") and tuple(padded(t).shape) != tuple(t.shape))
     p = dict(wire)
-    p[n] = pad_scales(p[n], rowwise_scale_shape(p[n].shape[0], p[n].shape[1] * 32)).contiguous()
-    assert tuple(p[n].shape) != tuple(wire[n].shape), "the padded scale must differ in shape"
+    p[n] = padded(p[n])
     add("scale_padding", p, "mxfp8", "layout", n, "manifest")
     n = "model.layers.1.self_attn.q_proj.weight_scale_inv"
     p = dict(wire)
@@ -474,13 +477,17 @@ class Run:
         args, res = self.args, self.res
         root = args.root or tempfile.mkdtemp(prefix="sgl-update-")
         moe = args.kind == "moe"
-        a_dir = str(save_model(os.path.join(root, "A"), moe=moe, seed=0))
+        # SGLang 0.5.17's qwen3_moe writes the KV cache inside its rotary kernel whenever the cache is
+        # bf16, and its fallback rotary kernel (head sizes other than 64 / 128 / 256 / 512) cannot: the
+        # tiny MoE model's head_dim 32 fails at CUDA-graph capture (seen on the H200), so 64 here
+        shape = {"head_dim": 64} if moe else {}
+        a_dir = str(save_model(os.path.join(root, "A"), moe=moe, seed=0, **shape))
         log(f"checkpoint A: {a_dir}")
         if not args.dry:                    # the server starts while the trainer side is prepared
             self.engine = LiveEngine(args, a_dir)
             res["cmd"] = " ".join(self.engine.cmd[1:])
             log("server starting")
-        b_dir = str(save_model(os.path.join(root, "B"), moe=moe, seed=1))
+        b_dir = str(save_model(os.path.join(root, "B"), moe=moe, seed=1, **shape))
         import transformers
         vocab = transformers.AutoConfig.from_pretrained(a_dir).vocab_size
         self.prompts = prompts_for(vocab)
