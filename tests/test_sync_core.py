@@ -381,7 +381,7 @@ def test_a_freed_source_does_not_claim_its_reused_memory():
     with rec:
         p.copy_(t2)
     assert [w.source for w in rec.writes] == ["new"]
-    dead = [x for lst in rec._sources.values() for x in lst if x.ref() is None]
+    dead = [x for st in rec._sources.values() for x in st.by_range.values() if x.ref() is None]
     assert not dead or all(x.name == "old" for x in dead)
 
 

@@ -83,3 +83,27 @@ def test_recorder_attributes_writes_from_a_packed_bucket_by_byte_range():
         params["pb"].copy_(views["b"])
     got = [(w.source, w.param, w.src_box) for w in rec.writes]
     assert got == [("q", "pq", ((8, 4), (0, 256))), ("n", "pn", ((0, 1024),)), ("b", "pb", ((0, 64),))]
+
+
+def test_recorder_picks_the_innermost_of_nested_sources_and_skips_dead_ones():
+    """Nested views of one storage (a fused tensor and its per-expert slices): a write from inside a
+    slice is the slice's; from the fused tensor outside every live slice, the fused tensor's; a dead
+    slice's range falls back to the enclosing source."""
+    fused = torch.randn(4, 8, 32)
+    params = {"p": torch.zeros(8, 32)}
+    rec = WriteRecorder(params, backup=False)
+    rec.add_source(fused, "fused", "plain")
+    experts = [fused[i] for i in range(4)]
+    for i, e in enumerate(experts):
+        rec.add_source(e, f"expert{i}", "plain")
+    top = fused[1, :4]                                               # nested twice, same start as expert1
+    rec.add_source(top, "expert1.top", "plain")
+    assert rec.source_of(fused[2, 3:5]).name == "expert2"
+    assert rec.source_of(fused[1, :2]).name == "expert1.top"
+    assert rec.source_of(fused[1, 5:]).name == "expert1"
+    assert rec.source_of(fused[1:3]).name == "fused"                 # spans two experts
+    del experts[3], e
+    import gc
+    gc.collect()
+    assert rec.source_of(fused[3]).name == "fused"                   # expert3's view died
+    assert rec.source_of(torch.randn(3)) is None

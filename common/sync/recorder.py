@@ -22,6 +22,7 @@ This is engine-agnostic: it sees tensors, not vLLM or SGLang classes.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -89,6 +90,19 @@ class _Source:
     ref: Optional[Callable] = None   # weak reference to the tensor: a freed tensor's memory gets reused
 
 
+@dataclass
+class _StorageSources:
+    """The sources registered in one storage, by byte range, with the ranges sorted for lookup."""
+    by_range: dict = field(default_factory=dict)    # (lo, hi) -> _Source (a range registered again replaces)
+    order: Optional[list] = None                    # sorted live (lo, hi); None: rebuild on the next lookup
+
+    def sorted_ranges(self) -> list:
+        if self.order is None:
+            self.by_range = {r: s for r, s in self.by_range.items() if s.ref() is not None}
+            self.order = sorted(self.by_range)
+        return self.order
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) storage *bytes* a (strided) tensor touches."""
     es = t.element_size()
@@ -128,23 +142,34 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         of one storage (transformers' fused experts exported per expert, CUDA IPC handles of
         slices of one buffer, a packed CUDA IPC bucket), and each keeps its own name."""
         lo, hi = _extent(t)
-        lst = self._sources.setdefault(t.untyped_storage().data_ptr(), [])
-        lst[:] = [x for x in lst if x.ref() is not None and not (x.lo == lo and x.hi == hi)]
-        lst.append(_Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t)))
+        st = self._sources.setdefault(t.untyped_storage().data_ptr(), _StorageSources())
+        st.by_range[(lo, hi)] = _Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t))
+        st.order = None
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
-        """The registered source whose byte range contains ``t``'s (the innermost, if nested)."""
+        """The registered source whose byte range contains ``t``'s (the innermost, if nested).
+
+        A bisection over the storage's sorted ranges, then a walk down from the last range that starts
+        at or before ``t``: the first live range that contains ``t`` is the innermost of the nested
+        ranges containing it (views nest), among equal starts the shortest.  A packed bucket holds a
+        hundred sources in one storage; a scan of all of them per write cost ~4x the lookup."""
         try:
-            lst = self._sources.get(t.untyped_storage().data_ptr())
+            st = self._sources.get(t.untyped_storage().data_ptr())
         except Exception:
             return None
-        if not lst:
+        if not st:
             return None
+        order = st.sorted_ranges()
         lo, hi = _extent(t)
-        inside = [x for x in lst if x.ref() is not None and x.lo <= lo and hi <= max(x.hi, x.lo + 1)]
-        if not inside:
-            return None
-        return min(inside, key=lambda x: x.hi - x.lo)
+        best = None
+        for j in range(bisect.bisect_right(order, (lo, float("inf"))) - 1, -1, -1):
+            rlo, rhi = order[j]
+            if best is not None and rlo != best.lo:
+                break
+            src = st.by_range[(rlo, rhi)]
+            if src.ref() is not None and hi <= max(rhi, rlo + 1):
+                best = src
+        return best
 
     # -- dispatch ------------------------------------------------------------------
     def _param_of(self, t: torch.Tensor):
