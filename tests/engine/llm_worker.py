@@ -16,16 +16,10 @@ import sys
 def main():
     spec = json.loads(sys.argv[1])
     tp = spec.get("tp", 1)
-    if tp == 1:
-        # one process: the engine core in this one (no V1 multiprocessing) and the worker in the engine
-        # core (the "uni" executor) -- the same model runner and kernels, without two more interpreters
-        # importing vLLM and a process teardown: 50 -> 17 s per engine on the 2-core CI machine
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from sync_scenarios import one_process
     from vllm import LLM, SamplingParams
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.1, seed=0, tensor_parallel_size=tp)
-    if tp == 1:
-        kw["distributed_executor_backend"] = "uni"
+              gpu_memory_utilization=0.1, seed=0, tensor_parallel_size=tp, **one_process(tp))
     if spec.get("ep"):
         kw["enable_expert_parallel"] = True
     for k in ("quantization", "hf_overrides", "kv_cache_dtype"):

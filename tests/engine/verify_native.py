@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from native_update import push, two_models  # noqa: E402
-from sync_scenarios import report_and_exit  # noqa: E402
+from sync_scenarios import one_process, report_and_exit  # noqa: E402
 
 
 def stale_one_derived_copy(worker):
@@ -34,7 +34,7 @@ def main():
 
     a, b, wa, wb = two_models(spec)
     llm = LLM(model=a, quantization="mxfp8-learner-grid", dtype="float32", enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.1, seed=0, worker_extension_cls=GRID_WORKER)
+              gpu_memory_utilization=0.1, seed=0, worker_extension_cls=GRID_WORKER, **one_process())
     client = connect(llm, digest="full")
     llm.collective_rpc(push(list(wb.items())))             # the trainer's own native update
 
