@@ -514,15 +514,20 @@ def test_literal_scan_catches_a_literal():
     assert [t for _, t in _format_literals(src)] == ["448.0", "0xFE", "254", "0x7FC00000", "0.002232142857142857"]
 
 
-def test_no_format_literals_in_kernels():
-    srcs = _kernel_sources()
-    assert len(srcs) >= 9
+def _scan_kernels(scan) -> dict:
+    """{kernel file: hits} of ``scan`` (a source -> hits function) over every kernel source."""
     hits = {}
-    for p in srcs:
+    for p in _kernel_sources():
         with open(p) as f:
-            h = _format_literals(f.read())
+            h = scan(f.read())
         if h:
             hits[os.path.basename(p)] = h
+    return hits
+
+
+def test_no_format_literals_in_kernels():
+    assert len(_kernel_sources()) >= 9
+    hits = _scan_kernels(_format_literals)
     assert not hits, f"format rules typed as literals (name them in common/format.py): {hits}"
 
 
@@ -560,12 +565,6 @@ def test_jit_literal_scan_catches_a_block_literal():
 def test_no_block_literals_in_jit_code():
     """The kernels' jit bodies name the block size and the scale word (moe_gemv_triton included: it
     reads gemv_triton's ``_BLOCK`` / ``_WORD_K``)."""
-    srcs = _kernel_sources()
-    assert any(p.endswith(os.sep + "moe_gemv_triton.py") for p in srcs)
-    hits = {}
-    for p in srcs:
-        with open(p) as f:
-            h = _jit_literals(f.read())
-        if h:
-            hits[os.path.basename(p)] = h
+    assert any(p.endswith(os.sep + "moe_gemv_triton.py") for p in _kernel_sources())
+    hits = _scan_kernels(_jit_literals)
     assert not hits, f"block size / scale-word K typed as literals in jit code (use _BLOCK / _WORD_K): {hits}"

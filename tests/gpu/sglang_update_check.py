@@ -677,22 +677,20 @@ def main() -> int:
     args = ap.parse_args()
     run = Run(args)
 
+    def stop(reason: str, code: int):     # one RESULT line, the server killed, then out
+        log(reason)
+        try:
+            run.finish(reason)
+        finally:
+            if run.engine is not None:
+                run.engine.stop()
+            os._exit(code)
+
     def on_deadline():
-        log(f"deadline of {args.deadline:.0f} s reached")
-        try:
-            run.finish(f"deadline: {args.deadline:.0f} s passed")
-        finally:
-            if run.engine is not None:
-                run.engine.stop()
-            os._exit(3)
+        stop(f"deadline: {args.deadline:.0f} s passed", 3)
+
     def on_signal(signum, frame):         # e.g. the session's `timeout`: never leave the server running
-        log(f"signal {signum}")
-        try:
-            run.finish(f"killed by signal {signum}")
-        finally:
-            if run.engine is not None:
-                run.engine.stop()
-            os._exit(4)
+        stop(f"killed by signal {signum}", 4)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     timer = threading.Timer(max(1.0, args.deadline - (time.time() - T0)), on_deadline)   # from the script start
