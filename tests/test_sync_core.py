@@ -470,3 +470,23 @@ def test_bridge_outcomes_and_reply_files(monkeypatch, tmp_path):
     d.mkdir()
     assert bridge.write_reply(str(d / "r.json"), [ok]) and (d / "r.json").exists()
     assert not bridge.write_reply(str(tmp_path / "r.json"), [ok]) and not bridge.reply_path_ok("/etc/x.json")
+
+
+def test_the_ranks_phases_reach_the_report_and_the_staging_is_released_once_per_update():
+    """The client's report carries the slowest rank's phases as rank_* (loaders and refresh inside load),
+    and a transport's done() runs once at the end of every update, applied or refused."""
+    from mxfp8_learner_grid.common.sync.client import GridSyncClient
+    ad = TinyAdapter()
+    ad.version = 0
+    t = _OneRankTransport(ad)
+    ended = []
+    t.done = lambda: ended.append(1)
+    client = GridSyncClient(t, digest="full", bucket_bytes=1)
+    rep = client.update_weights({"weight": torch.randn(64, 96)}, format="bf16", version=1)
+    assert rep.ok, rep.summary()
+    tm = rep.timings
+    assert {"rank_begin_s", "rank_load_s", "rank_loaders_s", "rank_refresh_s", "rank_finish_s"} <= set(tm)
+    assert 0 <= tm["rank_loaders_s"] + tm["rank_refresh_s"] <= tm["rank_load_s"] <= tm["transfer_s"]
+    assert ended == [1]
+    rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=2)
+    assert not rep.applied and ended == [1, 1]
