@@ -138,7 +138,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
     def add_source(self, t: torch.Tensor, name: str, role: str) -> None:
         """Register a tensor whose copies into the model belong to learner tensor ``name``.
 
-        Sources are keyed by storage *and* element range: several learner tensors can be views
+        Sources are keyed by storage *and* byte range: several learner tensors can be views
         of one storage (transformers' fused experts exported per expert, CUDA IPC handles of
         slices of one buffer, a packed CUDA IPC bucket), and each keeps its own name."""
         lo, hi = _extent(t)
