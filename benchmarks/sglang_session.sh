@@ -3,7 +3,8 @@
 #   bash benchmarks/sglang_session.sh serve MODELS_DIR   # tiny dense + MoE served with the plugin, logprobs vs the learner
 #   bash benchmarks/sglang_session.sh layers             # per-layer exactness inside SGLang's model runner (8B / 30B shapes, 2 layers)
 #   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC] [GRID_OPTIONS]   # tokens/s, grid vs bf16 (REPS=2)
-#   bash benchmarks/sglang_session.sh update [KINDS]    # in-place updates + faults through the client (KINDS: "dense moe")
+#   bash benchmarks/sglang_session.sh update [KINDS]    # in-place updates + faults through the client (KINDS: "dense moe";
+#                                                       #   UPDATE_TIMEOUT=400 for the MoE model)
 # Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,8 +33,12 @@ case "${1:-serve}" in
     done
     ;;
   update)
+    # UPDATE_TIMEOUT: seconds per kind (the MoE server alone took 162 s to start on the H200; the
+    # check's own deadline, 20 s earlier, prints its RESULT line with what it reached)
+    t=${UPDATE_TIMEOUT:-280}
     for k in ${2:-dense}; do
-      timeout 280 python3 tests/gpu/sglang_update_check.py --kind "$k" --out "$OUT/sgl-update-$k.json" \
+      timeout $t python3 tests/gpu/sglang_update_check.py --kind "$k" --out "$OUT/sgl-update-$k.json" \
+        --deadline $((t - 20)) --start-timeout $((t - 80)) \
         --log "$OUT/sgl-update-server-$k.log" >"$OUT/sgl-update-$k.log" 2>&1
       echo "sgl-update $k: exit $?"
       grep -E "^RESULT" "$OUT/sgl-update-$k.log" || tail -30 "$OUT/sgl-update-$k.log"
