@@ -485,7 +485,7 @@ def test_the_ranks_phases_reach_the_report_and_the_staging_is_released_once_per_
     rep = client.update_weights({"weight": torch.randn(64, 96)}, format="bf16", version=1)
     assert rep.ok, rep.summary()
     tm = rep.timings
-    assert {"rank_begin_s", "rank_load_s", "rank_loaders_s", "rank_refresh_s", "rank_finish_s"} <= set(tm)
+    assert {"rank_begin_s", "rank_read_s", "rank_load_s", "rank_loaders_s", "rank_refresh_s", "rank_finish_s"} <= set(tm)
     assert 0 <= tm["rank_loaders_s"] + tm["rank_refresh_s"] <= tm["rank_load_s"] <= tm["transfer_s"]
     assert ended == [1]
     rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=2)

@@ -116,9 +116,7 @@ class RankService:
     def load(self, items: Iterable, read_s: float = 0.0) -> dict:
         """``read_s``: the seconds the caller spent receiving the bucket (kept in the rank's timings)."""
         items = list(items)
-        session = self.require()
-        session.timings["read_s"] = session.timings.get("read_s", 0.0) + float(read_s)
-        session.load(items)
+        self.require().load(items, read_s)
         return {"rank": self.adapter.rank, "tensors": len(items)}
 
     def load_announced(self, names: list, tensors: list) -> dict:

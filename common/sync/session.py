@@ -89,12 +89,15 @@ class UpdateSession:
         # derived tensors as found, before the replay rewrites them
         self.stale_before = adapter.derived().stale() if self.verify else []
         adapter.begin()
-        # seconds on this rank: load_s (whole buckets) of which loaders_s (the engine's loaders under
-        # the recorder, content checks read) and refresh_s (derived tensors rebuilt after each bucket)
-        self.timings = {"begin_s": _now() - t0, "load_s": 0.0, "loaders_s": 0.0, "refresh_s": 0.0}
+        # seconds on this rank: read_s (receiving the buckets, as the caller timed it), load_s (whole
+        # buckets) of which loaders_s (the engine's loaders under the recorder, content checks read) and
+        # refresh_s (derived tensors rebuilt after each bucket)
+        self.timings = {"begin_s": _now() - t0, "read_s": 0.0, "load_s": 0.0, "loaders_s": 0.0, "refresh_s": 0.0}
 
     # -- loading ---------------------------------------------------------------------
-    def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load(self, bucket: Iterable[tuple[str, torch.Tensor]], read_s: float = 0.0) -> None:
+        """``read_s``: the seconds the caller spent receiving ``bucket`` (kept in the timings)."""
+        self.timings["read_s"] += float(read_s)
         if self.dead:
             raise UpdateRejected("this update already failed and was undone; begin a new one")
         t0 = _now()
