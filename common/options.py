@@ -14,6 +14,9 @@ Keys (all optional)::
                                                                 # expert GEMV (off: 0; at most 1024; default: 0 with
                                                                 # Marlin MoE, 128 with the Triton MoE -- measured)
     w8a16_rows: [17, 256]                                       # rows [lo, hi) for the W8A16 Triton GEMM (off: [])
+    humming_rows: [17, 129]                                     # rows [lo, hi) for humming-kernels' W8A16 wgmma
+                                                                # GEMM, stream-K off (sm_90; hi <= 129; off: [])
+    humming_tile: [128, 64]                                     # its (BLOCK_N, BLOCK_K) (grid_kernels/humming.py)
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
@@ -40,7 +43,8 @@ from .wire import QUANT_METHOD
 KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                        "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots"})
+                        "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots", "humming_rows",
+                        "humming_tile"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -62,11 +66,20 @@ class GridOptions:
         crossover = self.raw.get("prefill_crossover", 1)
         if isinstance(crossover, bool) or not isinstance(crossover, int) or crossover < 1:
             raise ValueError(f"prefill_crossover must be a positive integer (rows); got {crossover!r}")
-        band = self.raw.get("w8a16_rows", [])
-        if not (isinstance(band, (list, tuple)) and (len(band) == 0 or (
-                len(band) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in band)
-                and band[0] <= band[1]))):
-            raise ValueError(f"w8a16_rows must be [] or [lo, hi] with 0 <= lo <= hi (rows); got {band!r}")
+        for key in ("w8a16_rows", "humming_rows"):
+            band = self.raw.get(key, [])
+            if not (isinstance(band, (list, tuple)) and (len(band) == 0 or (
+                    len(band) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in band)
+                    and band[0] <= band[1]))):
+                raise ValueError(f"{key} must be [] or [lo, hi] with 0 <= lo <= hi (rows); got {band!r}")
+        from .grid_kernels.humming import HUMMING_MAX_ROWS, TILE_CHOICES
+        band = self.raw.get("humming_rows", [])
+        if band and band[1] > HUMMING_MAX_ROWS + 1:
+            raise ValueError(f"humming_rows: the band ends at most at {HUMMING_MAX_ROWS + 1}; got {band!r}")
+        tile = self.raw.get("humming_tile")
+        if tile is not None and (not isinstance(tile, (list, tuple)) or tuple(tile) not in TILE_CHOICES):
+            raise ValueError(f"humming_tile must be one of {[list(t) for t in TILE_CHOICES]} (BLOCK_N, BLOCK_K); "
+                             f"got {tile!r}")
         rows = self.raw.get("bf16_weight_rows", 0)
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")

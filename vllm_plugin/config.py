@@ -24,6 +24,8 @@ Options (all optional)::
     moe_gemv_slots: 128            # MoE: up to S routed slots (tokens x top-k) by the expert GEMV (default 0 with
                                    # Marlin MoE, which measured faster; 128 with the Triton MoE)
     w8a16_rows: [17, 256]          # rows [lo, hi) for which dense layers use the W8A16 Triton GEMM ([]: off)
+    humming_rows: [17, 129]        # rows [lo, hi) for which dense layers use humming-kernels' W8A16 wgmma GEMM with
+                                   # stream-K off (sm_90, humming importable; []: off); humming_tile: [BLOCK_N, BLOCK_K]
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
                                    # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)

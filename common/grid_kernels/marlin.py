@@ -164,10 +164,12 @@ class Bf16WeightCopy:
 def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
                   weight: torch.Tensor, weight_scale_inv: torch.Tensor, crossover: int,
                   w8a16_lo: int = 0, w8a16_hi: int = 0, w_bf16: Optional[torch.Tensor] = None,
-                  bf16_rows: int = 0, gemv_rows: int = 0) -> torch.Tensor:
+                  bf16_rows: int = 0, gemv_rows: int = 0, hum_w: Optional[torch.Tensor] = None,
+                  hum_s: Optional[torch.Tensor] = None, hum_locks: Optional[torch.Tensor] = None,
+                  hum_lo: int = 0, hum_hi: int = 0, hum_cfg: str = "", hum_tuning: str = "") -> torch.Tensor:
     """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
     the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover),
-    the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi) or Marlin."""
+    humming (hum_lo <= M < hum_hi), the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi) or Marlin."""
     from ..kernels.qdq_triton import qdq_rows
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -181,6 +183,9 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
         y = cublas_fp32_reduction(a, w_bf16)
     elif m >= crossover:
         y = dequant_cublas(a, weight, weight_scale_inv)
+    elif hum_lo <= m < hum_hi:
+        from .humming import run_band
+        y = run_band(a, hum_w, hum_s, hum_locks, hum_cfg, hum_tuning)
     elif w8a16_lo <= m < w8a16_hi:
         from ..kernels.w8a16_triton import w8a16_gemm
         y = w8a16_gemm(a, weight, weight_scale_inv)
@@ -191,7 +196,7 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
 
 @linear_marlin.register_fake
 def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0, w_bf16=None,
-      bf16_rows=0, gemv_rows=0):
+      bf16_rows=0, gemv_rows=0, hum_w=None, hum_s=None, hum_locks=None, hum_lo=0, hum_hi=0, hum_cfg="", hum_tuning=""):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -229,9 +234,11 @@ class MarlinLinear(GridKernel):
         self.w8a16 = (int(lo), int(hi)) if w8a16_shape_ok(spec.k) else (0, 0)
         self.bf16_copy = Bf16WeightCopy(spec)
         self.gemv_rows = gemv_band(spec)
+        from .humming import HummingBand
+        self.humming = HummingBand(spec)
 
     def derived_names(self, layer):
-        return ("grid_marlin_weight", "grid_marlin_scale") + self.bf16_copy.names()
+        return ("grid_marlin_weight", "grid_marlin_scale") + self.bf16_copy.names() + self.humming.names()
 
     def process_weights_after_loading(self, layer) -> None:
         ops = providers.get("marlin")
@@ -241,6 +248,7 @@ class MarlinLinear(GridKernel):
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
             self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device))
             self.bf16_copy.process(self, layer)
+            self.humming.process(self, layer)
         else:
             self.refresh(layer)
 
@@ -250,26 +258,27 @@ class MarlinLinear(GridKernel):
             layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
             layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
         self.bf16_copy.refresh(layer)
+        self.humming.refresh(layer)
 
     def derived(self, layer):
         ops = providers.get("marlin")
         return {"grid_marlin_weight": (layer.grid_marlin_weight, lambda: marlin_weight(ops, layer.weight)),
                 "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv)),
-                **self.bf16_copy.derived(layer)}
+                **self.bf16_copy.derived(layer), **self.humming.derived(layer)}
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear_marlin(x, layer.grid_marlin_weight, layer.grid_marlin_scale,
                                                            layer.grid_marlin_workspace, layer.weight,
                                                            layer.weight_scale_inv, self.crossover, *self.w8a16,
                                                            self.bf16_copy.tensor(layer), self.bf16_copy.rows,
-                                                           self.gemv_rows)
+                                                           self.gemv_rows, *self.humming.args(layer))
 
     def describe(self):
         lo, hi = self.w8a16
         band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
         gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
         return (f"{gemv}marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
-                f"{self.bf16_copy.describe()}")
+                f"{self.bf16_copy.describe()}{self.humming.describe()}")
 
 
 def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:

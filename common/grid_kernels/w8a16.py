@@ -25,10 +25,12 @@ from .marlin import DEFAULT_PREFILL_CROSSOVER, Bf16WeightCopy, check_bf16_exact_
 @torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
 def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                  crossover: int, w_bf16: Optional[torch.Tensor] = None, bf16_rows: int = 0,
-                 gemv_rows: int = 0) -> torch.Tensor:
+                 gemv_rows: int = 0, hum_w: Optional[torch.Tensor] = None, hum_s: Optional[torch.Tensor] = None,
+                 hum_locks: Optional[torch.Tensor] = None, hum_lo: int = 0, hum_hi: int = 0, hum_cfg: str = "",
+                 hum_tuning: str = "") -> torch.Tensor:
     """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
-    the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover)
-    or W8A16."""
+    the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover),
+    humming (hum_lo <= M < hum_hi) or W8A16."""
     from ..kernels.qdq_triton import qdq_rows
     from ..kernels.w8a16_triton import w8a16_gemm
     n, k = weight.shape
@@ -42,13 +44,17 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
         y = cublas_fp32_reduction(a, w_bf16)
     elif x2.shape[0] >= crossover:
         y = dequant_cublas(a, weight, weight_scale_inv)
+    elif hum_lo <= x2.shape[0] < hum_hi:
+        from .humming import run_band
+        y = run_band(a, hum_w, hum_s, hum_locks, hum_cfg, hum_tuning)
     else:
         y = w8a16_gemm(a, weight, weight_scale_inv)
     return y.reshape(*x.shape[:-1], n)
 
 
 @linear_w8a16.register_fake
-def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0, gemv_rows=0):
+def _(x, weight, weight_scale_inv, crossover, w_bf16=None, bf16_rows=0, gemv_rows=0, hum_w=None, hum_s=None,
+      hum_locks=None, hum_lo=0, hum_hi=0, hum_cfg="", hum_tuning=""):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -82,26 +88,30 @@ class W8A16Linear(GridKernel):
         self.crossover = int(spec.options.get("prefill_crossover", DEFAULT_PREFILL_CROSSOVER))
         self.bf16_copy = Bf16WeightCopy(spec)
         self.gemv_rows = gemv_band(spec, DEFAULT_GEMV_ROWS)
+        from .humming import HummingBand
+        self.humming = HummingBand(spec)
 
     def derived_names(self, layer):
-        return self.bf16_copy.names()
+        return self.bf16_copy.names() + self.humming.names()
 
     def process_weights_after_loading(self, layer) -> None:
         check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         self.bf16_copy.process(self, layer)
+        self.humming.process(self, layer)
 
     def refresh(self, layer, experts=None) -> None:
         self.bf16_copy.refresh(layer)
+        self.humming.refresh(layer)
 
     def derived(self, layer):
-        return self.bf16_copy.derived(layer)
+        return {**self.bf16_copy.derived(layer), **self.humming.derived(layer)}
 
     def apply(self, layer, x, bias: Optional[torch.Tensor] = None):
         return torch.ops.mxfp8_learner_grid.linear_w8a16(x, layer.weight, layer.weight_scale_inv, self.crossover,
                                                           self.bf16_copy.tensor(layer), self.bf16_copy.rows,
-                                                          self.gemv_rows)
+                                                          self.gemv_rows, *self.humming.args(layer))
 
     def describe(self):
         gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
         return (f"{gemv}w8a16 Triton (M < {self.crossover}) + dequantize/cuBLAS (M >= {self.crossover})"
-                f"{self.bf16_copy.describe()}")
+                f"{self.bf16_copy.describe()}{self.humming.describe()}")

@@ -21,6 +21,8 @@ from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers 
 from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_scales  # noqa: E402
 from mxfp8_learner_grid.common.refresh import refresh_layer  # noqa: E402
 
+from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, grid_layer, setup_kernel, x_grid  # noqa: E402,F401
+
 
 @pytest.fixture(scope="module", autouse=True)
 def marlin_provider():
@@ -28,59 +30,6 @@ def marlin_provider():
     compat.register_kernel_providers()
     if providers.get("marlin") is None:
         pytest.skip("vLLM's Marlin ops are not available")
-
-
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in bf16 ulps (monotone integer mapping of the bit patterns)."""
-    def key(t):
-        i = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-    return (key(a) - key(b)).abs()
-
-
-def exact_bf16(a_grid: torch.Tensor, w_grid: torch.Tensor) -> torch.Tensor:
-    return (a_grid.double() @ w_grid.double().t()).to(torch.float32).to(torch.bfloat16)
-
-
-def check_fp32_accumulation(y, a_grid, w_grid):
-    """y (bf16) is the exact sum rounded once, up to FP32 summation order: at least 99 % of the
-    elements equal the exact result rounded to bf16, and every element lies within one bf16 ulp
-    plus the FP32 summation bound K * 2^-24 * sum|a_k w_k| (where a sum cancels to nearly zero,
-    summation order moves its tiny result by many of its own ulps -- TE's GEMMs do the same)."""
-    exact = a_grid.double() @ w_grid.double().t()
-    ref = exact.to(torch.float32).to(torch.bfloat16)
-    bound = a_grid.double().abs() @ w_grid.double().abs().t() * (a_grid.shape[-1] * 2.0 ** -24)
-    ulp = ref.double().abs() * 2.0 ** -7 + 2.0 ** -133
-    err = (y.double() - exact).abs()
-    equal = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
-    worst = (err / (ulp + bound)).max().item()
-    assert equal >= 0.99 and worst <= 1.0, (equal, worst)
-    return equal
-
-
-def grid_layer(n, k, seed=0, scale=0.02):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, device="cuda", generator=g) * scale
-    wq, ws = quantize_rows(w)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(wq, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
-    return layer
-
-
-def setup_kernel(layer, kind="linear", **opts):
-    n, k = layer.weight.shape
-    spec = LayerSpec(prefix="t", kind=kind, device_type="cuda", act_dtype=torch.bfloat16, n=n, k=k,
-                     capability=torch.cuda.get_device_capability(), options=opts)
-    layer.grid_kernel = choose(spec)
-    layer.grid_kernel.process_weights_after_loading(layer)
-    layer.grid_processed = True
-    return layer.grid_kernel
-
-
-def x_grid(x):
-    q, s = quantize_rows(x)
-    return dequantize_blocks(q, s)
 
 
 def test_scale_permutation_equals_vllms():
