@@ -2,6 +2,7 @@
 # What one H200 lease runs (see BENCHMARKS.md).  Usage on the device, from the repo root:
 #   bash benchmarks/device_session.sh gpu            # every GPU test (tests/gpu)
 #   bash benchmarks/device_session.sh w8a16p         # experiment: W8A16 with per-32 FP32 promotion vs Marlin / W8A16 / BF16
+#   HUMMING_ENV=1 bash benchmarks/device_session.sh humming   # humming band: GPU tests + exp_humming.py -> /tmp/humming_band.json
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
@@ -38,10 +39,21 @@ if [ ! -d /tmp/grid/mxfp8_learner_grid ]; then
     || { cat "$OUT/install.log"; exit 2; }
 fi
 export PYTHONPATH=/tmp/grid${PYTHONPATH:+:$PYTHONPATH}
+# HUMMING_ENV=1: let humming-kernels' JIT find one CUDA 13 tree (benchmarks/humming_env.sh; carry .carry/humming)
+if [ "${HUMMING_ENV:-0}" = 1 ]; then
+  source benchmarks/humming_env.sh "${HUMMING_EXTRAS:-.carry/humming}" >"$OUT/humming_env.log" 2>&1; cat "$OUT/humming_env.log"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 case "${1:-kernels}" in
   gpu)    # every GPU test
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+    ;;
+  humming) # humming-kernels' W8A16 wgmma GEMM, stream-K off (option humming_rows): its GPU tests, then the experiment
+    #        (exactness per config, then time against BF16 and Marlin); writes /tmp/humming_band.json for `e2e ... grid+`
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_humming_band.py 2>&1 | tee "$OUT/gpu_humming_tests.log" | tail -12
+    python3 benchmarks/exp_humming.py --out "$OUT/humming.jsonl" --band-out "$OUT/humming_band.json" ${HUMMING_ARGS:-} \
+      2>&1 | tee "$OUT/humming.log" | grep -E "M=|HUMMING|Error|compiled|off the grid|built" | tail -60
+    cp "$OUT/humming_band.json" /tmp/humming_band.json 2>/dev/null || true
     ;;
   w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)
     python3 benchmarks/exp_w8a16_promote.py --out "$OUT/w8a16p.jsonl" ${W8A16P_ARGS:-} 2>&1 | tee "$OUT/w8a16p.log" \
@@ -180,7 +192,7 @@ case "${1:-kernels}" in
     opts="${5:-}"
     arms="${3:-bf16,grid}"
     if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
-    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]\|"gemv_rows": 0}'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
+    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]\|"gemv_rows": 0}\|"humming_rows": \[\]'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
     echo "arms: $arms; grid+ options: $opts"
     python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "$arms" --conc "${4:-1,16,64}" \
       --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \

@@ -1,0 +1,271 @@
+"""Experiment (benchmark only, not shipped): humming-kernels' W8A16 wgmma GEMM as a grid kernel (issue #11).
+
+    source benchmarks/humming_env.sh && python benchmarks/exp_humming.py --out $OUT/humming.jsonl \
+        [--shapes 8b.qkv,...] [--ms 16,32,64,128]
+
+humming-kernels 0.1.10 (pinned by vLLM 0.26 and SGLang 0.5.17; docs/humming.md) has a W8A16 schema for
+E4M3 weights with E8M0 scales per 32 along K: wgmma, FP32 accumulation, the scales applied to the
+dequantized bf16 weights.  Fed ``qdq(x)`` (the TE-exact activation quantize-dequantize), it computes the
+grid GEMM -- if it sums in FP32 and rounds once.  Its defaults do not: stream-K adds bf16-rounded partial
+sums across CTAs.  So every config here has ``use_stream_k`` off, and each is checked before it is timed:
+
+* on the exact result rounded once (float64 sum, one rounding to bf16): at least 99% of elements equal
+  and none more than one bf16 step away, for weights as a model has them (``quantize_rows`` of a
+  Gaussian) and for adversarial ones (every non-NaN E4M3 code, E4M3 subnormals included, scale bytes
+  100 ... 140);
+* run to run: the same bytes twice.
+
+Configs (block_m = M rounded up to 16): ``bn<BLOCK_N>k<BLOCK_K>`` with warp tile (block_m, 32, 64), 4
+stages, warp specialization + TMA (the shape of humming's own sm90 configs); BLOCK_K > 64 sums K-warps
+inside the CTA in FP32 (order only).  ``bi`` is humming's own batch-invariant heuristic (stream-K off).
+``default_sk`` is vLLM's HummingMxfp8LinearKernel setting (heuristics, stream-K on) -- timed for
+reference and reported with its exactness, never counted as on the grid.
+
+Arms per (shape, M): ``bf16`` (torch.mm), ``grid_marlin`` (qdq + Marlin, the shipped default) and
+``humming:<config>`` (qdq + humming).  Timed as in ``bench_fast_path`` (CUDA graphs over enough weight
+copies to defeat the L2).  Exit code 3 with ``HUMMING_UNAVAILABLE`` when humming cannot build its
+kernels on this machine (its JIT needs g++, NVRTC and CUDA 13 headers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+WEIGHT_CONFIG = {"quant_method": "humming", "dtype": "float8e4m3", "scale_dtype": "float8e8m0",
+                 "group_size": 32, "weight_scale_type": "group"}
+COMPUTE_ON_GRID = {"use_f16_accum": False, "use_batch_invariant": True, "gemm_type": "dense"}
+COMPUTE_DEFAULT = {"use_f16_accum": False, "use_batch_invariant": False, "gemm_type": "dense"}
+
+
+def humming_layer(q: torch.Tensor, s: torch.Tensor):
+    """A humming layer over the wire bytes: e4m3 codes [N, K] and E8M0 bytes [N, K/32]."""
+    from humming.layer import HummingLayer
+    n, k = q.shape
+    with torch.device("cuda"):
+        lay = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(WEIGHT_CONFIG), torch_dtype=torch.bfloat16)
+    lay.load_from_tensors({"weight": q.contiguous().view(torch.int32),
+                           "weight_scale": s.contiguous().view(torch.float8_e8m0fnu)})
+    lay.transform()
+    return lay
+
+
+def tile_config(m: int, bn: int, bk: int, stages: int = 4) -> dict:
+    bm = max(16, -(-m // 16) * 16)
+    return {"block_shape": (bm, bn, bk), "warp_shape": (bm, 32, 64), "use_stream_k": False,
+            "num_stages": stages, "use_warp_spec": True, "use_tma": True, "use_mbarrier": True}
+
+
+def configs(lay, m: int) -> dict:
+    from humming.tune import get_heuristics_config
+    meta = lay.humming_metas[""]
+    out = {f"bn{bn}k{bk}": tile_config(m, bn, bk) for bn in (64, 128, 256) for bk in (64, 128)
+           if meta.shape_n % bn == 0 and meta.shape_k % bk == 0}
+    bi = dict(get_heuristics_config(meta, shape_m=m, use_batch_invariant=True))
+    bi["use_stream_k"] = False
+    out["bi"] = bi
+    return out
+
+
+def precompile(lay, ms) -> float:
+    """Build every kernel a shape needs in one call (humming compiles a list of configs in 16 threads):
+    the on-grid configs of every M, and the default heuristics' configs (stream-K on)."""
+    from humming.kernel.humming import HummingKernel
+    t = time.time()
+    layer_config = lay.humming_metas[""].to_str()
+    tunings = [cfg for m in ms for cfg in configs(lay, m).values()]
+    HummingKernel.prepare_kernels(layer_config, json.dumps(COMPUTE_ON_GRID),
+                                  json.dumps([[i, i + 1, cfg] for i, cfg in enumerate(tunings)]))
+    HummingKernel.prepare_kernels(layer_config, json.dumps(COMPUTE_DEFAULT), None)
+    return time.time() - t
+
+
+def run(lay, xg, tuning, compute=COMPUTE_ON_GRID):
+    return lay(xg, compute_config=json.dumps(compute), tuning_config=json.dumps(tuning) if tuning else None)
+
+
+def adversarial(n, k, seed):
+    """Every non-NaN E4M3 code (subnormals included) with scale bytes 100 ... 140."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)         # no NaN
+    scales = torch.randint(100, 141, (n, k // 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def check(y, ref, y2=None) -> dict:
+    eq = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+    far = (y.float() - ref.float()).abs() > ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+    out = {"equal": round(eq, 5), "far": int(far.sum()), "nan": int(torch.isnan(y).sum())}
+    if y2 is not None:
+        out["deterministic"] = bool(torch.equal(y.view(torch.int16), y2.view(torch.int16)))
+    out["ok"] = eq >= 0.99 and out["far"] == 0 and out["nan"] == 0 and out.get("deterministic", True)
+    return out
+
+
+def best_band(total: dict, shapes: list) -> dict:
+    """The option the band's tile table can express: one tile (``bn<N>k<K>``) for every shape and M, and rows
+    [lo, hi) where it beats Marlin summed over the shapes.  Only tiles measured on the grid at every shape
+    count.  lo: one past the last measured M below the band where Marlin won (or the first winning M);
+    hi: one past the last winning M of the run.  Off ({"humming_rows": []}) if it never wins."""
+    ms = sorted({k[0] for k in total if isinstance(k[0], int)})
+    tiles = {a for (m, a) in (k for k in total if isinstance(k[0], int)) if a.startswith("humming:bn")}
+    best = None
+    for tile in sorted(tiles):
+        if any(sorted(total.get(("shapes", m, tile), [])) != sorted(shapes) for m in ms):
+            continue
+        wins = [m for m in ms if total[(m, tile)] < total.get((m, "grid_marlin"), 0.0)]
+        if not wins:
+            continue
+        first = ms.index(wins[0])
+        run_ = [wins[0]]
+        for m in ms[first + 1:]:
+            if m not in wins:
+                break
+            run_.append(m)
+        lo = ms[first - 1] + 1 if first > 0 else wins[0]
+        gain = sum(total[(m, "grid_marlin")] - total[(m, tile)] for m in run_)
+        if best is None or gain > best[0]:
+            best = (gain, lo, run_[-1] + 1, tile)
+    if best is None:
+        return {"humming_rows": []}
+    _, lo, hi, tile = best
+    bn, bk = tile[len("humming:bn"):].split("k")
+    return {"humming_rows": [lo, hi], "humming_tile": [int(bn), int(bk)]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="humming.jsonl")
+    ap.add_argument("--shapes", default="8b.qkv,8b.o,8b.gate_up,8b.down")
+    ap.add_argument("--ms", default="16,32,64,128")
+    ap.add_argument("--no-marlin", action="store_true", help="skip the Marlin arm (no vLLM on this machine)")
+    ap.add_argument("--budget-s", type=float, default=420, help="start no new (shape, M) after this many seconds")
+    ap.add_argument("--band-out", default="", help="write the grid options {humming_rows, humming_tile} where the "
+                                                   "best single on-grid tile beats Marlin (summed over the shapes)")
+    args = ap.parse_args()
+    from bench_fast_path import L2_BYTES, SHAPES, commit, exact_ref, make_layer, time_graph
+
+    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
+    meta = {"date": __import__("datetime").date.today().isoformat(), "commit": commit(),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out = open(args.out, "w")
+    t0 = time.time()
+    try:
+        import humming
+        meta["humming"] = getattr(humming, "__version__", "?")
+        probe = humming_layer(*quantize_rows(torch.randn(256, 256, device="cuda") * 0.02))
+        run(probe, torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), tile_config(16, 64, 64))
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"HUMMING_UNAVAILABLE {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+        out.write(json.dumps(dict(meta, arm="probe", ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")) + "\n")
+        sys.exit(3)
+    print(f"humming {meta['humming']}: first kernel built and ran in {time.time() - t0:.1f} s", flush=True)
+    out.write(json.dumps(dict(meta, arm="probe", ok=True, first_kernel_s=round(time.time() - t0, 1))) + "\n")
+    if not args.no_marlin:
+        from mxfp8_learner_grid.vllm_plugin import compat
+        compat.register_kernel_providers()
+    total: dict = {}
+    for sname in args.shapes.split(","):
+        n, k = SHAPES[sname]
+        copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
+        raw = []
+        for i in range(copies):
+            gg = torch.Generator(device="cuda").manual_seed(i)
+            raw.append(quantize_rows(torch.randn(n, k, device="cuda", generator=gg) * 0.02))
+        wb = [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
+        t1 = time.time()
+        hums = [humming_layer(q, s) for q, s in raw]
+        lays = [] if args.no_marlin else [make_layer(n, k, i, 1 << 30) for i in range(copies)]
+        adv_q, adv_s = adversarial(n, k, 7)
+        adv = humming_layer(adv_q, adv_s)
+        ms = list(map(int, args.ms.split(",")))
+        print(f"{sname}: {copies} copies, humming layers in {time.time() - t1:.1f} s", flush=True)
+        try:
+            print(f"{sname}: kernels for M {ms} compiled in {precompile(hums[0], ms):.1f} s", flush=True)
+        except Exception as exc:
+            print(f"{sname}: precompile failed ({type(exc).__name__}: {str(exc)[:300]}); per config instead", flush=True)
+        for m in ms:
+            if time.time() - t0 > args.budget_s:
+                print(f"{sname} M={m}: skipped (time budget {args.budget_s:.0f} s spent)", flush=True)
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xg = qdq_rows(x)
+            ref = exact_ref(x, *raw[0])
+            x_adv = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4.0
+            ref_adv = exact_ref(x_adv, adv_q, adv_s)
+            xg_adv = qdq_rows(x_adv)
+            arms = {"bf16": [lambda w=w: torch.mm(x, w.T) for w in wb]}
+            if lays:
+                arms["grid_marlin"] = [lambda l=l: l.grid_kernel.apply(l, x) for l in lays]
+            t2 = time.time()
+            cfgs = configs(hums[0], m)
+            for name, cfg in list(cfgs.items()) + [("default_sk", None)]:
+                compute = COMPUTE_DEFAULT if cfg is None else COMPUTE_ON_GRID
+                row = dict(meta, shape=sname, n=n, k=k, m=m, arm="humming:" + name, config=cfg, kind="check")
+                try:
+                    y, y2 = run(hums[0], xg, cfg, compute), run(hums[0], xg, cfg, compute)
+                    ya = run(adv, xg_adv, cfg, compute)
+                    row["model_weights"] = check(y, ref, y2)
+                    row["adversarial"] = check(ya, ref_adv)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"{sname} M={m} humming:{name}: {row['error']}", flush=True)
+                    out.write(json.dumps(row) + "\n")
+                    continue
+                out.write(json.dumps(row) + "\n")
+                on_grid = row["model_weights"]["ok"] and row["adversarial"]["ok"]
+                if not on_grid:
+                    print(f"{sname} M={m} humming:{name} off the grid: {row['model_weights']} {row['adversarial']}",
+                          flush=True)
+                if on_grid or cfg is None:
+                    arms["humming:" + name] = [lambda h=h, cfg=cfg, compute=compute: run(h, qdq_rows(x), cfg, compute)
+                                               for h in hums]
+            print(f"{sname} M={m}: configs built and checked in {time.time() - t2:.1f} s", flush=True)
+            us = {}
+            for arm, fns in arms.items():
+                try:
+                    us[arm] = time_graph(fns)
+                except Exception as exc:
+                    print(f"{sname} M={m} {arm}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            for arm, t in us.items():
+                out.write(json.dumps(dict(meta, shape=sname, n=n, k=k, m=m, arm=arm, us=round(t, 2),
+                                          vs_bf16=round(us["bf16"] / t, 3), kind="time")) + "\n")
+            out.flush()
+            exact = {a: t for a, t in us.items() if a.startswith("humming:") and a != "humming:default_sk"}
+            best = min(exact, key=exact.get) if exact else None
+            for arm in us:
+                if not arm.startswith("humming:") or arm == "humming:default_sk" or arm in exact:
+                    total[(m, arm)] = total.get((m, arm), 0.0) + us[arm]
+                    total.setdefault(("shapes", m, arm), []).append(sname)
+            if best:
+                total[(m, "humming_best")] = total.get((m, "humming_best"), 0.0) + exact[best]
+            print(f"{sname:11s} M={m:4d} bf16 {us['bf16']:.1f} marlin {us.get('grid_marlin', 0):.1f} "
+                  f"humming(sk, off grid) {us.get('humming:default_sk', 0):.1f} best on-grid {best} "
+                  f"{exact.get(best, 0):.1f} us | " + " ".join(f"{a[8:]}={t:.1f}" for a, t in sorted(exact.items())),
+                  flush=True)
+        del hums, lays, wb, raw, adv
+        torch.cuda.empty_cache()
+    if args.band_out:
+        band = best_band(total, args.shapes.split(","))
+        json.dump(band, open(args.band_out, "w"))
+        print(f"HUMMING_BAND {json.dumps(band)}", flush=True)
+    for m in sorted({m for m, _ in total}):
+        print(f"HUMMING_SUM M={m}: bf16 {total.get((m, 'bf16'), 0):.1f} marlin {total.get((m, 'grid_marlin'), 0):.1f} "
+              f"humming default (stream-K, off grid) {total.get((m, 'humming:default_sk'), 0):.1f} "
+              f"humming on grid (best per shape) {total.get((m, 'humming_best'), 0):.1f} us", flush=True)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
