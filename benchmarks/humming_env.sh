@@ -25,7 +25,10 @@ fi
 _he_cuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
 [ -n "$_he_cuda" ] && ln -sfn "$_he_cuda" "$_he_root/lib/libcuda.so"
 echo '{"cuda": {"version": "13.0"}}' > "$_he_root/version.json"
-export CUDA_HOME=$_he_root
+# humming searches /usr/local/cuda-*: link the tree there rather than exporting CUDA_HOME, which sends
+# vLLM's FlashInfer JIT (sampling kernels at engine start) to look for $CUDA_HOME/bin/nvcc and fail
+if [ -e /usr/local/cuda-13.0 ] && [ ! -L /usr/local/cuda-13.0 ]; then export CUDA_HOME=$_he_root
+elif ! ln -sfn "$_he_root" /usr/local/cuda-13.0 2>/dev/null; then export CUDA_HOME=$_he_root; fi
 export LIBRARY_PATH=$_he_root/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
 export HUMMING_CACHE_DIR=/tmp/humming-cache
 _he_pyinc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
@@ -38,5 +41,5 @@ for _he_h in cuda.h crt/host_defines.h cccl/cuda/std/cstdint nvrtc.h cuda_runtim
   [ -e "$_he_root/include/$_he_h" ] || echo "[humming_env] MISSING header $_he_h"
 done
 for _he_b in g++ ninja; do command -v "$_he_b" >/dev/null || echo "[humming_env] MISSING $_he_b"; done
-echo "[humming_env] CUDA_HOME=$CUDA_HOME libcuda=${_he_cuda:-MISSING} g++=$(command -v g++ || echo none) Python.h=$([ -f "$_he_pyinc/Python.h" ] && echo image || echo "${CPATH:-MISSING}")"
+echo "[humming_env] tree=$_he_root ($( [ -L /usr/local/cuda-13.0 ] && echo /usr/local/cuda-13.0 || echo CUDA_HOME)) libcuda=${_he_cuda:-MISSING} g++=$(command -v g++ || echo none) Python.h=$([ -f "$_he_pyinc/Python.h" ] && echo image || echo "${CPATH:-MISSING}")"
 unset _he_root _he_d _he_f _he_n _he_cuda _he_pyinc _he_h _he_b _he_x
