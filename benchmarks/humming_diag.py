@@ -39,6 +39,16 @@ CASES = {
     "vllm_then_w8a16_from1": "vllm_ops(); band('w8a16', [1, 129])",
     "marlin_from1": "vllm_ops(); band('marlin', [1, 129])",
     "marlin_from17": "vllm_ops(); band('marlin', [17, 129])",
+    "exp_quantize_first": """
+from exp_humming import humming_layer, tile_config, run, configs
+from mxfp8_learner_grid.common import quantize_rows
+q, s = quantize_rows(torch.randn(6144, 4096, device="cuda") * 0.02); step("quantized first")
+p = humming_layer(*quantize_rows(torch.randn(256, 256, device="cuda") * 0.02)); step("probe layer")
+run(p, torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), tile_config(16, 64, 64)); step("probe ran")
+q2, s2 = quantize_rows(torch.randn(6144, 4096, device="cuda") * 0.03); torch.cuda.synchronize(); step("quantized after humming")
+h = humming_layer(q, s); torch.cuda.synchronize(); step("humming layer 6144x4096")
+run(h, torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), configs(h, 64)["bn128k64"]); torch.cuda.synchronize(); step("ran")
+""",
     "exp_steps": """
 from exp_humming import humming_layer, tile_config, run, configs, precompile
 from mxfp8_learner_grid.common import quantize_rows

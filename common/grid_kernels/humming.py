@@ -74,9 +74,11 @@ def tile_config(block_m: int, tile=DEFAULT_TILE) -> dict:
 
 def tuning_table(lo: int, hi: int, tile=DEFAULT_TILE) -> list:
     """humming's per-M dispatch list for rows lo <= M < hi: ``[[m_lo, m_hi, config], ...]``, each entry
-    covering m_lo < M <= m_hi (humming's convention) with block_m = m_hi rounded up to 16."""
+    covering m_lo < M <= m_hi (humming's convention) with block_m = m_hi rounded up to 16.  It always starts
+    at M = 1, whatever lo (the op itself sends only lo <= M < hi here): on the H200 a table starting at
+    M = 17 segfaulted in humming 0.1.10's launcher, one starting at 1 ran exact (eleventh session)."""
     table = []
-    start = lo - 1
+    start = 0
     while start < hi - 1:
         end = min(hi - 1, (start // _M_STEP + 1) * _M_STEP)
         table.append([start, end, tile_config(-(-end // _M_STEP) * _M_STEP, tile)])
