@@ -171,6 +171,11 @@ def main():
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     out = open(args.out, "w")
     t0 = time.time()
+    if not args.no_marlin:
+        # vLLM first, as in an engine: on the H200, importing vLLM's ops *after* humming's first kernel left the
+        # next Triton module load hanging (benchmarks/humming_diag.py, case exp_steps); vLLM first ran clean
+        from mxfp8_learner_grid.vllm_plugin import compat
+        compat.register_kernel_providers()
     try:
         import humming
         meta["humming"] = getattr(humming, "__version__", "?")
@@ -183,9 +188,6 @@ def main():
         sys.exit(3)
     print(f"humming {meta['humming']}: first kernel built and ran in {time.time() - t0:.1f} s", flush=True)
     out.write(json.dumps(dict(meta, arm="probe", ok=True, first_kernel_s=round(time.time() - t0, 1))) + "\n")
-    if not args.no_marlin:
-        from mxfp8_learner_grid.vllm_plugin import compat
-        compat.register_kernel_providers()
     total: dict = {}
     for sname in args.shapes.split(","):
         n, k = SHAPES[sname]
