@@ -95,6 +95,17 @@ def time_graph(fns):
     return 1000.0 * ms / len(fns)
 
 
+def time_arms(arms: dict, label: str) -> dict:
+    """us per call of each arm (a list of calls, :func:`time_graph`); an arm that fails is reported and left out."""
+    us = {}
+    for arm, fns in arms.items():
+        try:
+            us[arm] = time_graph(fns)
+        except Exception as exc:
+            print(f"{label} {arm}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    return us
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="fast_path.jsonl")

@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--band-out", default="", help="write the grid options {humming_rows, humming_tile} where the "
                                                    "best single on-grid tile beats Marlin (summed over the shapes)")
     args = ap.parse_args()
-    from bench_fast_path import L2_BYTES, SHAPES, commit, make_layer, time_graph
+    from bench_fast_path import L2_BYTES, SHAPES, commit, make_layer, time_arms
 
     from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
@@ -245,12 +245,7 @@ def main():
                     arms["humming:" + name] = [lambda h=h, cfg=cfg, compute=compute: run(h, qdq_rows(x), cfg, compute)
                                                for h in hums]
             print(f"{sname} M={m}: configs built and checked in {time.time() - t2:.1f} s", flush=True)
-            us = {}
-            for arm, fns in arms.items():
-                try:
-                    us[arm] = time_graph(fns)
-                except Exception as exc:
-                    print(f"{sname} M={m} {arm}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            us = time_arms(arms, f"{sname} M={m}")
             for arm, t in us.items():
                 out.write(json.dumps(dict(meta, shape=sname, n=n, k=k, m=m, arm=arm, us=round(t, 2),
                                           vs_bf16=round(us["bf16"] / t, 3), kind="time")) + "\n")

@@ -153,7 +153,7 @@ def main():
         check_interpreter()
         return
     sys.path.insert(0, os.path.dirname(__file__))
-    from bench_fast_path import L2_BYTES, SHAPES, commit, exact_ref, make_layer, on_grid, time_graph
+    from bench_fast_path import L2_BYTES, SHAPES, commit, exact_ref, make_layer, on_grid, time_arms
 
     from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
@@ -203,12 +203,7 @@ def main():
                     continue
                 arms["w8a16p:" + ",".join(map(str, cfg))] = [
                     lambda q=q, s=s, cfg=cfg: w8a16p_gemm(qdq_rows(x), q, s, cfg, ws) for q, s in raw]
-            us = {}
-            for arm, fns in arms.items():
-                try:
-                    us[arm] = time_graph(fns)
-                except Exception as exc:
-                    print(f"{sname} M={m} {arm}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            us = time_arms(arms, f"{sname} M={m}")
             for arm, t in us.items():
                 out.write(json.dumps(dict(meta, shape=sname, n=n, k=k, m=m, arm=arm, us=round(t, 2),
                                           vs_bf16=round(us["bf16"] / t, 3))) + "\n")

@@ -57,3 +57,24 @@ def setup_kernel(layer, kind="linear", **opts):
 def x_grid(x):
     q, s = quantize_rows(x)
     return dequantize_blocks(q, s)
+
+
+def graph_then_update(kern, layer, x, n, k, seed_new=2):
+    """Capture ``kern.apply(layer, x)`` in a CUDA graph, update the layer's weights in place to a new grid
+    layer (``seed_new``) and refresh it; checks the derived tensors kept their storage, replays the graph and
+    checks the output is the new weights' grid result.  Returns the new layer."""
+    from mxfp8_learner_grid.common.refresh import refresh_layer
+    ptrs = [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)]
+    kern.apply(layer, x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kern.apply(layer, x)
+    new = grid_layer(n, k, seed=seed_new)
+    layer.weight.data.copy_(new.weight)
+    layer.weight_scale_inv.data.copy_(new.weight_scale_inv)
+    refresh_layer(layer)
+    assert [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)] == ptrs
+    graph.replay()
+    check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
+    return new

@@ -19,9 +19,9 @@ vllm_ops = pytest.importorskip("vllm._custom_ops") if torch.cuda.is_available() 
 from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_scales  # noqa: E402
-from mxfp8_learner_grid.common.refresh import refresh_layer  # noqa: E402
 
-from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, grid_layer, setup_kernel, x_grid  # noqa: E402,F401
+from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, graph_then_update, grid_layer, setup_kernel, \
+    x_grid  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -165,20 +165,7 @@ def test_refresh_in_place_under_cuda_graph(m, opts):
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=1)
     kern = setup_kernel(layer, **opts)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ptrs = [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)]
-    kern.apply(layer, x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = kern.apply(layer, x)
-    new = grid_layer(n, k, seed=2)
-    layer.weight.data.copy_(new.weight)
-    layer.weight_scale_inv.data.copy_(new.weight_scale_inv)
-    refresh_layer(layer)
-    assert [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)] == ptrs
-    graph.replay()
-    check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
+    graph_then_update(kern, layer, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), n, k)
     stale = [n for n, (t, b) in kern.derived(layer).items() if not torch.equal(t, b())]
     assert stale == []
 

@@ -18,9 +18,9 @@ if torch.cuda.is_available():
 
 from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels import humming as H  # noqa: E402
-from mxfp8_learner_grid.common.refresh import refresh_layer  # noqa: E402
 
-from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, grid_layer, setup_kernel, x_grid  # noqa: E402
+from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, graph_then_update, grid_layer, setup_kernel, \
+    x_grid  # noqa: E402
 
 BAND = [1, H.HUMMING_MAX_ROWS + 1]
 
@@ -91,21 +91,8 @@ def test_refresh_in_place_under_cuda_graph_and_stale_copy_caught():
     model.dense = grid_layer(n, k, seed=1)
     kern = setup_kernel(model.dense, kernel="w8a16", humming_rows=BAND, gemv_rows=0)
     layer = model.dense
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ptrs = [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)]
     assert kern.derived_names(layer) == H.HummingBand.NAMES
-    kern.apply(layer, x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = kern.apply(layer, x)
-    new = grid_layer(n, k, seed=2)
-    layer.weight.data.copy_(new.weight)
-    layer.weight_scale_inv.data.copy_(new.weight_scale_inv)
-    refresh_layer(layer)
-    assert [getattr(layer, d).data_ptr() for d in kern.derived_names(layer)] == ptrs
-    graph.replay()
-    check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
+    graph_then_update(kern, layer, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), n, k)
     reg = DerivedRegistry()
     assert register_kernel_derived(model, reg) == 2
     assert reg.stale() == []
