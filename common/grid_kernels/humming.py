@@ -12,8 +12,9 @@ FP32 and rounds once -- *only* with the settings fixed here:
 * scale bytes >= 3 (``marlin.check_bf16_exact_weights``, as for every bf16 fast path); humming decodes
   E8M0 byte 0 as +0, not 2^-127.
 
-Checked on the H200 before it counts (``benchmarks/exp_humming.py``: exact result rounded once, model and
-adversarial weights, bytes equal run to run) and in ``tests/gpu/test_humming_band.py``.
+Checked on the H200 (eleventh session) by ``tests/gpu/test_humming_band.py``: the exact result rounded once up
+to FP32 order, on model and adversarial weights, the same bytes run to run, layouts equal humming's own;
+``benchmarks/exp_humming.py`` checks every tile the same way before it times it (not yet run to the end).
 
 Derived tensors (allocated once, rewritten in place on every update, registered for ``derived_state``):
 ``grid_humming_weight`` (humming's repacked int32 layout, built by its repack kernel) and
