@@ -192,7 +192,11 @@ case "${1:-kernels}" in
     opts="${5:-}"
     arms="${3:-bf16,grid}"
     if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
-    if [ -z "$opts" ] || echo "$opts" | grep -q '"w8a16_rows": \[\]\|"gemv_rows": 0}\|"humming_rows": \[\]'; then arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//'); fi
+    # grid+ only when its options turn something on: the band writers (--band-out, --gemv-out) write
+    # {"w8a16_rows": []}, {"gemv_rows": 0} or {"humming_rows": []} when nothing beat the default
+    if ! python3 -c 'import json, sys; sys.exit(0 if any(json.loads(sys.argv[1] or "{}").values()) else 1)' "$opts"; then
+      arms=$(echo "$arms" | sed 's/,grid+//; s/grid+,//')
+    fi
     echo "arms: $arms; grid+ options: $opts"
     python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "$arms" --conc "${4:-1,16,64}" \
       --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \

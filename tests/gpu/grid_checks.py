@@ -18,20 +18,37 @@ def exact_bf16(a_grid: torch.Tensor, w_grid: torch.Tensor) -> torch.Tensor:
     return (a_grid.double() @ w_grid.double().t()).to(torch.float32).to(torch.bfloat16)
 
 
-def check_fp32_accumulation(y, a_grid, w_grid):
-    """y (bf16) is the exact sum rounded once, up to FP32 summation order: at least 99 % of the
-    elements equal the exact result rounded to bf16, and every element lies within one bf16 ulp
-    plus the FP32 summation bound K * 2^-24 * sum|a_k w_k| (where a sum cancels to nearly zero,
-    summation order moves its tiny result by many of its own ulps -- TE's GEMMs do the same)."""
+def fp32_accumulation_stats(y, a_grid, w_grid) -> tuple[float, float]:
+    """(equal, worst) of y (bf16) against the exact sum: the fraction of elements equal to the exact result
+    rounded to bf16, and the largest error in units of one bf16 ulp plus the FP32 summation bound
+    K * 2^-24 * sum|a_k w_k| (where a sum cancels to nearly zero, summation order moves its tiny result by
+    many of its own ulps -- TE's GEMMs do the same)."""
     exact = a_grid.double() @ w_grid.double().t()
     ref = exact.to(torch.float32).to(torch.bfloat16)
     bound = a_grid.double().abs() @ w_grid.double().abs().t() * (a_grid.shape[-1] * 2.0 ** -24)
     ulp = ref.double().abs() * 2.0 ** -7 + 2.0 ** -133
     err = (y.double() - exact).abs()
     equal = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
-    worst = (err / (ulp + bound)).max().item()
+    return equal, (err / (ulp + bound)).max().item()
+
+
+def check_fp32_accumulation(y, a_grid, w_grid):
+    """y (bf16) is the exact sum rounded once, up to FP32 summation order: at least 99 % of the
+    elements equal the exact result rounded to bf16, and every element lies within one bf16 ulp
+    plus the FP32 summation bound (:func:`fp32_accumulation_stats`)."""
+    equal, worst = fp32_accumulation_stats(y, a_grid, w_grid)
     assert equal >= 0.99 and worst <= 1.0, (equal, worst)
     return equal
+
+
+def adversarial_weights(n, k, seed):
+    """e4m3 codes [N, K] drawn from every non-NaN code (E4M3 subnormals included) and E8M0 scale bytes
+    100 ... 140 [N, K/32]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)         # no NaN
+    scales = torch.randint(100, 141, (n, k // 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn), scales
 
 
 def grid_layer(n, k, seed=0, scale=0.02):

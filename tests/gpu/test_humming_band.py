@@ -19,8 +19,8 @@ if torch.cuda.is_available():
 from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels import humming as H  # noqa: E402
 
-from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, graph_then_update, grid_layer, setup_kernel, \
-    x_grid  # noqa: E402
+from .grid_checks import adversarial_weights, bf16_ulps, check_fp32_accumulation, exact_bf16, graph_then_update, \
+    grid_layer, setup_kernel, x_grid  # noqa: E402
 
 BAND = [1, H.HUMMING_MAX_ROWS + 1]
 
@@ -71,13 +71,10 @@ def test_band_exact(n, k, m):
 def test_band_exact_on_adversarial_weights():
     """Every non-NaN E4M3 code (subnormals included) and scale bytes 100 ... 140."""
     n, k, m = 2048, 4096, 64
-    g = torch.Generator(device="cuda").manual_seed(3)
-    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)
+    codes, scales = adversarial_weights(n, k, 3)
     layer = grid_layer(n, k)
-    layer.weight.data.copy_(codes.view(torch.float8_e4m3fn))
-    layer.weight_scale_inv.data.copy_(torch.randint(100, 141, (n, k // 32), device="cuda", generator=g,
-                                                    dtype=torch.int32).to(torch.uint8))
+    layer.weight.data.copy_(codes)
+    layer.weight_scale_inv.data.copy_(scales)
     kern = setup_kernel(layer, kernel="w8a16", humming_rows=BAND, gemv_rows=0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
     check_fp32_accumulation(kern.apply(layer, x), x_grid(x), dequantize_blocks(layer.weight, layer.weight_scale_inv))
