@@ -85,3 +85,37 @@ def test_band_off_by_default_and_where_humming_cannot_run(monkeypatch):
                                             n=64, k=128, capability=(10, 0)))
     assert not ok and "sm_90" in why
     assert not H.humming_shape_ok(4096 + 64, 4096) and H.humming_shape_ok(4096, 12288)
+
+
+def test_band_turns_off_when_humming_cannot_build_its_kernels(monkeypatch, caplog):
+    """humming importable but its JIT failing (no g++, no CUDA 13 headers): the layer serves without the band,
+    the reason logged once per shape, no derived tensor registered -- instead of failing the engine's load."""
+    import sys
+    import types
+
+    calls = []
+
+    class FailingKernel:
+        @staticmethod
+        def prepare_kernels(layer_cfg, compute, tuning):
+            calls.append(layer_cfg)
+            raise RuntimeError("nvrtc: cuda.h not found")
+    fake = {"humming": types.ModuleType("humming"), "humming.kernel": types.ModuleType("humming.kernel"),
+            "humming.kernel.humming": types.ModuleType("humming.kernel.humming")}
+    fake["humming.kernel.humming"].HummingKernel = FailingKernel
+    for name, mod in fake.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(H, "layer_config", lambda n, k: f"cfg-{n}x{k}")
+    monkeypatch.setattr(H, "_PREPARED", {})
+    registered = []
+    kernel = types.SimpleNamespace(register_derived_buffer=lambda layer, name, t: registered.append(name))
+    layer = types.SimpleNamespace(weight=torch.zeros(4096, 12288, dtype=torch.float8_e4m3fn))
+    bands = [H.HummingBand(_spec(humming_rows=[17, 129])) for _ in range(3)]
+    assert all(b.on for b in bands)
+    with caplog.at_level("WARNING"):
+        for b in bands:
+            b.process(kernel, layer)
+    assert all(not b.on and b.names() == () and b.args(layer)[3:5] == (0, 0) for b in bands)
+    assert "could not build its kernels" in bands[0].describe() and "cuda.h not found" in bands[0].describe()
+    assert registered == [] and calls == ["cfg-4096x12288"]          # one build attempt per shape and table
+    assert sum("humming band off" in r.message for r in caplog.records) == 1

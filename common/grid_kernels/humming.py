@@ -25,6 +25,7 @@ Derived tensors (allocated once, rewritten in place on every update, registered 
 from __future__ import annotations
 
 import json
+import logging
 import types
 from typing import Optional
 
@@ -130,6 +131,27 @@ def _scale_e8m0(layer) -> torch.Tensor:
     return humming_scales(layer.weight_scale_inv.view(torch.uint8)).view(torch.float8_e8m0fnu)
 
 
+log = logging.getLogger("mxfp8_learner_grid")
+
+#: (layer config, tuning) -> "" (kernels built) or why they could not be: each shape is compiled once per process
+_PREPARED: dict = {}
+
+
+def _prepare(layer_cfg: str, tuning: str) -> str:
+    """Build and load humming's kernels for one shape and tuning table, once per process; the reason on failure."""
+    key = (layer_cfg, tuning)
+    if key not in _PREPARED:
+        try:
+            from humming.kernel.humming import HummingKernel
+            HummingKernel.prepare_kernels(layer_cfg, COMPUTE_CONFIG, tuning)
+            _PREPARED[key] = ""
+        except Exception as exc:                                        # its JIT: NVRTC, g++, headers
+            _PREPARED[key] = f"humming could not build its kernels ({type(exc).__name__}: {str(exc)[:300]})"
+            log.warning("mxfp8-learner-grid: humming band off for this shape, the layers run without it: %s",
+                        _PREPARED[key])
+    return _PREPARED[key]
+
+
 class HummingBand:
     """The band of a dense kernel (``MarlinLinear``, ``W8A16Linear``): rows lo <= M < hi go to humming."""
 
@@ -165,14 +187,17 @@ class HummingBand:
             return
         n, k = layer.weight.shape
         if not hasattr(layer, self.NAMES[0]):
+            # compile + load first: a machine where humming's JIT cannot build (no g++, no CUDA 13 headers)
+            # serves the layer without the band, the reason in the kernel's log line, instead of failing the load
+            why = _prepare(layer_config(n, k), json.dumps(tuning_table(*self.band, self.tile)))
+            if why:
+                self.band, self.why = (0, 0), why
+                return
+            self.layer_cfg, self.tuning = layer_config(n, k), json.dumps(tuning_table(*self.band, self.tile))
             kernel.register_derived_buffer(layer, self.NAMES[0], humming_weight(layer.weight))
             kernel.register_derived_buffer(layer, self.NAMES[1], _scale_e8m0(layer))
             kernel.register_derived_buffer(layer, "grid_humming_locks",
                                            torch.zeros(_LOCKS, dtype=torch.int32, device=layer.weight.device))
-            self.layer_cfg = layer_config(n, k)
-            self.tuning = json.dumps(tuning_table(*self.band, self.tile))
-            from humming.kernel.humming import HummingKernel
-            HummingKernel.prepare_kernels(self.layer_cfg, COMPUTE_CONFIG, self.tuning)   # compile + load, once
         else:
             self.refresh(layer)
 
