@@ -35,7 +35,7 @@ from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
 from mxfp8_learner_grid.common.grid_weight import check_data, check_grid_shape, check_scales
 from mxfp8_learner_grid.common.refresh import mark_written
-from mxfp8_learner_grid.common.sync.recorder import note_derived_source
+from mxfp8_learner_grid.common.sync.recorder import content_checked, note_derived_source
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
@@ -140,8 +140,10 @@ def wrap_scale_loader(layer, scale_param: str, base_loader: Callable, shard_key:
         key = shard_key(*args, **kwargs)
         label, want = shard_info(key, scale_param) if key is not SKIP else (scale_param, None)
         # grid_weight's scale rules: uint8, [.., N, K/32] of the shard's weight where the engine knows
-        # it (2-D writes), no E8M0 NaN
-        check_scales(label, loaded_weight, want if want is not None and loaded_weight.dim() == 2 else None)
+        # it (2-D writes), no E8M0 NaN -- a value check that reads the device, skipped for a tensor whose
+        # update bucket passed the same rule already (recorder.check_contents)
+        check_scales(label, loaded_weight, want if want is not None and loaded_weight.dim() == 2 else None,
+                     values=not content_checked(loaded_weight))
         out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
         if key is not SKIP:
             writes(layer)[(scale_param, key)] += 1

@@ -161,6 +161,84 @@ def test_recorder_content_checks_are_read_once_at_exit_in_write_order(device):
     assert rec._pending == []
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("chunk", [64 << 20, 100])
+def test_bucket_content_checks_name_the_first_bad_tensor_before_any_write(device, chunk, monkeypatch):
+    """check_contents tests a whole bucket in a few launches (pieces of at most CHECK_CHUNK_BYTES): a clean
+    bucket passes; otherwise the first tensor in bucket order that breaks a rule is named, whatever the rule
+    and whichever piece it landed in; tensors without a rule (ints) and empty ones pass."""
+    from mxfp8_learner_grid.common.sync import recorder as R
+    monkeypatch.setattr(R, "CHECK_CHUNK_BYTES", chunk)
+    q, sc = quantize_rows(torch.randn(16, 128))
+    good = [("a.weight", q, "data"), ("a.weight_scale_inv", sc, "scale"), ("norm.weight", torch.ones(64), "plain"),
+            ("b.weight", q[8:], "data"), ("ids", torch.arange(5), "plain"), ("empty", torch.ones(0), "plain"),
+            ("half", torch.ones(8, dtype=torch.bfloat16), "plain")]
+    good = [(n, t.to(device), r) for n, t, r in good]
+    R.check_contents(good)
+
+    def spoiled(i, fn):
+        out = list(good)
+        t = out[i][1].clone()
+        fn(t)
+        out[i] = (out[i][0], t, out[i][2])
+        return out
+
+    def nan_code(t):
+        t.view(torch.uint8)[1, 3] = 0x7F
+
+    def scale_255(t):
+        t[2, 1] = 255
+
+    def inf(t):
+        t[-1] = float("inf")
+    cases = [(3, nan_code, "b.weight: fp8 weight holds NaN codes"), (1, scale_255, "a.weight_scale_inv: E8M0 scale 255"),
+             (2, inf, "norm.weight: holds NaN or Inf"), (6, inf, "half: holds NaN or Inf")]
+    for i, fn, words in cases:
+        with pytest.raises(UpdateRejected, match=words):
+            R.check_contents(spoiled(i, fn))
+    both = spoiled(3, nan_code)
+    t = both[2][1].clone()
+    t[0] = float("nan")
+    both[2] = (both[2][0], t, "plain")
+    with pytest.raises(UpdateRejected, match="norm.weight: holds NaN"):     # bucket order: norm.weight first
+        R.check_contents(both)
+    # a "scale" rule only for scale-role uint8; an fp8 tensor in any role is checked for NaN codes
+    R.check_contents([("x", torch.full((4,), 255, dtype=torch.uint8, device=device), "plain")])
+
+
+def test_checked_sources_and_their_quantized_bytes_are_not_rechecked_per_write():
+    """A source registered checked=True (its bucket passed check_contents) is not re-tested at each write,
+    nor are bytes a loader quantized from it (note_derived_source inherits the mark); an unchecked source
+    still is.  The mark is sound because the grid quantizer never makes NaN codes or scale 255 from finite
+    values, checked here at the extremes of bf16 and fp32."""
+    from mxfp8_learner_grid.common.sync.recorder import note_derived_source
+    ext = torch.tensor([3.3895e38, -3.3895e38, 1e-38, -1e-45, 0.0, -0.0, 448.0, 464.0, 1e30, 2.0 ** -126] * 16)
+    for x in (ext.reshape(5, 32), ext.to(torch.bfloat16).reshape(5, 32), torch.zeros(2, 32)):
+        q, s = quantize_rows(x)
+        assert not ((q.view(torch.uint8) & 0x7F) == 0x7F).any() and not (s == 255).any()
+    params = {"w": torch.zeros(8, 64, dtype=torch.float8_e4m3fn), "s": torch.zeros(8, 2, dtype=torch.uint8)}
+    src = torch.randn(8, 64)
+    rec = WriteRecorder(params, backup=False)
+    rec.add_source(src, "w", "plain", checked=True)
+    with rec:
+        q, s = quantize_rows(src)
+        note_derived_source(q, src, "data")
+        note_derived_source(s, src, "scale")
+        params["w"].copy_(q)
+        params["s"].copy_(s)
+        assert rec._pending == []
+    assert [(w.source, w.role) for w in rec.writes] == [("w", "data"), ("w", "scale")]
+    rec = WriteRecorder(params, backup=False)
+    rec.add_source(src, "w", "plain")
+    with pytest.raises(UpdateRejected, match="w: fp8 weight holds NaN codes"):
+        with rec:
+            q, s = quantize_rows(src)
+            q.view(torch.uint8)[0, 0] = 0xFF
+            note_derived_source(q, src, "data")
+            params["w"].copy_(q)
+            assert len(rec._pending) == 1
+
+
 def test_middleware_is_off_by_default(monkeypatch):
     from mxfp8_learner_grid.vllm_plugin import http  # noqa: F401 (imports vllm only for its package)
     monkeypatch.delenv("MXFP8_GRID_UPDATES", raising=False)

@@ -10,7 +10,9 @@ destination lives in a registered parameter is
   where the format forbids it (fp8 codes 0x7F/0xFF, E8M0 scale 255), no NaN / Inf in a float
   tensor -- queued on the tensor's device and read once when the recorder exits (one host sync
   per bucket, not one per tensor), so a bad tensor fails the bucket, named, before it returns, and
-  the update is undone whole as for any failure mid-load;
+  the update is undone whole as for any failure mid-load.  A write whose source was checked
+  already (:func:`check_contents` over a whole bucket before its load, ``add_source(checked=True)``;
+  or bytes our loaders derived from such a source) is not checked again;
 * backed up (optional): the parameter's previous bytes are copied the first time it is
   touched -- to host memory (``backup="host"``, the default) or to a spare buffer on the
   parameter's own device (``backup="device"``: an on-device copy, no PCIe round trip, at
@@ -64,11 +66,92 @@ _ACTIVE: list = []
 def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) -> None:
     """Loaders call this when they turn a received tensor into the bytes they write (e.g. the
     fp8 data / scales quantized from a BF16 weight): writes of ``derived`` are attributed to
-    ``origin``'s learner name.  A no-op when no update is being recorded."""
+    ``origin``'s learner name.  A no-op when no update is being recorded.
+
+    ``derived`` inherits ``origin``'s checked mark: the grid quantizer maps finite values to E4M3
+    codes other than NaN and to scale bytes below 255 (``format.e8m0_round_up``, ``encode_e4m3``;
+    tests/test_sync_core.py checks it at the extremes), so bytes quantized from a checked finite
+    tensor hold no NaN."""
     for rec in _ACTIVE:
         src = rec.source_of(origin)
         if src is not None:
-            rec.add_source(derived, src.name, role)
+            rec.add_source(derived, src.name, role, checked=src.checked)
+
+
+def content_checked(t: torch.Tensor) -> bool:
+    """Did ``t``'s content already pass the rules of an update being recorded (its bucket went through
+    :func:`check_contents`)?  Loaders then skip their own value checks, which read the device (one host
+    synchronization per tensor).  False when no update is being recorded."""
+    for rec in _ACTIVE:
+        src = rec.source_of(t)
+        if src is not None and src.checked:
+            return True
+    return False
+
+
+#: the content rules, each with the words of its refusal ({} is the learner tensor's name)
+CONTENT_RULES = {"fp8": "{}: fp8 weight holds NaN codes, which the wire format forbids",
+                 "scale": "{}: E8M0 scale 255 (NaN) is not a valid learner scale",
+                 "float": "{}: holds NaN or Inf"}
+#: bytes per concatenated piece of :func:`check_contents` (its transient memory)
+CHECK_CHUNK_BYTES = 64 << 20
+
+
+def content_rule(t: torch.Tensor, role: str) -> Optional[str]:
+    """Which content rule a tensor written in ``role`` must pass (None: no rule for its dtype)."""
+    if t.dtype == F.FP8_DTYPE:
+        return "fp8"
+    if t.dtype == F.SCALE_DTYPE and role == "scale":
+        return "scale"
+    if t.is_floating_point():
+        return "float"
+    return None
+
+
+def _breaks(rule: str, flat: torch.Tensor) -> torch.Tensor:
+    """0-dim bool, not read (no sync): does ``flat`` (1-D; fp8 read as uint8) break ``rule``?"""
+    if rule == "fp8":
+        return _nan_codes(flat)
+    if rule == "scale":
+        return (flat == F.E8M0_NAN).any()
+    return ~torch.isfinite(flat).all()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype == F.FP8_DTYPE else flat
+
+
+def check_contents(named: list) -> None:
+    """The content rules over a whole bucket of ``(name, tensor, role)`` at once, before any write: per
+    rule, device and dtype the tensors are concatenated into pieces of at most ``CHECK_CHUNK_BYTES`` and
+    tested in a few launches (not a few per tensor), all read in one synchronization.  Raises
+    :class:`UpdateRejected` naming the first tensor, in bucket order, that breaks a rule."""
+    groups: dict = {}
+    for i, (_, t, role) in enumerate(named):
+        rule = content_rule(t, role)
+        if rule is not None and t.numel():
+            groups.setdefault((rule, t.device, t.dtype), []).append(i)
+    flags, owners = [], []
+    for (rule, _, _), idx in groups.items():
+        piece, size = [], 0
+        for i in idx + [None]:
+            nbytes = 0 if i is None else named[i][1].numel() * named[i][1].element_size()
+            if piece and (i is None or size + nbytes > CHECK_CHUNK_BYTES):
+                flats = [_flat(named[j][1]) for j in piece]
+                flags.append(_breaks(rule, flats[0] if len(flats) == 1 else torch.cat(flats)))
+                owners.append((rule, piece))
+                piece, size = [], 0
+            if i is not None:
+                piece.append(i)
+                size += nbytes
+    from .digest import read_flags
+    suspects = sorted((i, rule) for (rule, piece), bad in zip(owners, read_flags(flags)) if bad for i in piece)
+    if not suspects:
+        return
+    for (i, rule), bad in zip(suspects, read_flags([_breaks(rule, _flat(named[i][1])) for i, rule in suspects])):
+        if bad:
+            raise UpdateRejected(CONTENT_RULES[rule].format(named[i][0]))
 
 @dataclass
 class Write:
@@ -88,6 +171,7 @@ class _Source:
     lo: int = 0               # [lo, hi): the storage bytes the source covers (sources of one storage
     hi: int = 0               #   may differ in dtype: a packed bucket holds fp8, scales and bf16)
     ref: Optional[Callable] = None   # weak reference to the tensor: a freed tensor's memory gets reused
+    checked: bool = False     # its content passed the rules already (check_contents): not re-checked per write
 
 
 @dataclass
@@ -135,15 +219,17 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
             self._by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
 
     # -- sources ---------------------------------------------------------------------
-    def add_source(self, t: torch.Tensor, name: str, role: str) -> None:
+    def add_source(self, t: torch.Tensor, name: str, role: str, checked: bool = False) -> None:
         """Register a tensor whose copies into the model belong to learner tensor ``name``.
 
         Sources are keyed by storage *and* byte range: several learner tensors can be views
         of one storage (transformers' fused experts exported per expert, CUDA IPC handles of
-        slices of one buffer, a packed CUDA IPC bucket), and each keeps its own name."""
+        slices of one buffer, a packed CUDA IPC bucket), and each keeps its own name.
+        ``checked``: its content already passed :func:`check_contents` (writes of it skip the rules)."""
         lo, hi = _extent(t)
         st = self._sources.setdefault(t.untyped_storage().data_ptr(), _StorageSources())
-        st.by_range[(lo, hi)] = _Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t))
+        st.by_range[(lo, hi)] = _Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t),
+                                        checked)
         st.order = None
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
@@ -217,14 +303,9 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
             if dest.dtype != src.dtype:
                 raise UpdateRejected(f"{sname}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
                                      "send the parameter's dtype")
-            if src.dtype == F.FP8_DTYPE:
-                self._pending.append((f"{sname}: fp8 weight holds NaN codes, which the wire format forbids",
-                                      _nan_codes(src)))
-            if src.dtype == F.SCALE_DTYPE and s is not None and s.role == "scale":
-                self._pending.append((f"{sname}: E8M0 scale 255 (NaN) is not a valid learner scale",
-                                      (src == F.E8M0_NAN).any()))
-            if src.is_floating_point() and src.dtype != F.FP8_DTYPE:
-                self._pending.append((f"{sname}: holds NaN or Inf", ~torch.isfinite(src).all()))
+            rule = None if (s is not None and s.checked) else content_rule(src, s.role if s else "plain")
+            if rule is not None and src.numel():
+                self._pending.append((CONTENT_RULES[rule].format(sname), _breaks(rule, _flat(src))))
         if self.backup and pname not in self.backups:
             self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
         dbox = view_box(dest, param.shape, param.storage_offset())

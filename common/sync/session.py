@@ -35,7 +35,7 @@ from .adapter import EngineAdapter
 from .digest import fingerprint
 from .fingerprints import fingerprint_regions, region_digests
 from .manifest import Manifest, flatten, validate_by_condition
-from .recorder import UpdateRejected, WriteRecorder
+from .recorder import UpdateRejected, WriteRecorder, check_contents
 from .report import CheckResult, SyncReport
 
 __all__ = ["EngineAdapter", "UpdateSession", "fingerprint_regions"]   # the interface, re-exported
@@ -102,6 +102,7 @@ class UpdateSession:
             raise UpdateRejected("this update already failed and was undone; begin a new one")
         t0 = _now()
         items = list(bucket)
+        named = []
         try:
             for name, t in items:
                 if name not in self.expected:
@@ -114,7 +115,10 @@ class UpdateSession:
                                          f"holds {list(t.shape)} {t.dtype} (file swapped or truncated?)")
                 role = "scale" if name.endswith("_scale_inv") else ("data" if t.dtype == torch.float8_e4m3fn
                                                                      else "plain")
-                self.recorder.add_source(t, name, role)
+                named.append((name, t, role))
+            check_contents(named)           # the whole bucket's content rules in a few launches, before any write
+            for name, t, role in named:
+                self.recorder.add_source(t, name, role, checked=True)
             n_before = len(self.recorder.writes)
             t1 = _now()
             with deferred_refresh():           # each written layer's derived tensors rebuilt once, after the bucket
