@@ -42,14 +42,15 @@ def _scope_stack() -> list:
     return _state.stack
 
 
-def has_derived(layer) -> bool:
-    kernel = getattr(layer, "grid_kernel", None)
-    return bool(getattr(layer, "grid_processed", False) and kernel is not None and kernel.derived_names(layer))
+def processed(layer) -> bool:
+    """Has ``layer``'s kernel processed its weights?  Then a write is refreshed: its derived tensors (if it has
+    any) rebuilt, and its guards on the new bytes (:func:`guard`) run even where nothing is derived."""
+    return bool(getattr(layer, "grid_processed", False) and getattr(layer, "grid_kernel", None) is not None)
 
 
 def mark_written(layer, expert: Optional[int] = WHOLE) -> None:
     """A loader wrote into ``layer``'s on-grid parameters (MoE: into local ``expert``)."""
-    if not has_derived(layer):
+    if not processed(layer):
         return
     stack = _scope_stack()
     if stack:
@@ -80,17 +81,48 @@ def rebuilding(layer, kernel) -> bool:
 
 @contextlib.contextmanager
 def deferred_refresh():
-    """Writes inside only mark layers stale; leaving the outermost scope rebuilds each once."""
+    """Writes inside only mark layers stale; leaving the outermost scope rebuilds each once, then reads the
+    kernels' guards on the new bytes (:func:`guard`) in one synchronization and raises the first that fails
+    (unless the body raised: its error wins)."""
     stack = _scope_stack()
     stale: dict = {}
     stack.append(stale)
+    failed = False
     try:
         yield stale
+    except BaseException:
+        failed = True
+        raise
     finally:
         stack.pop()
         if stack:                                   # nested: the outer scope rebuilds
             for key, (layer, experts) in stale.items():
                 stack[-1].setdefault(key, (layer, set()))[1].update(experts)
         else:
-            for layer, experts in stale.values():
-                refresh_layer(layer, experts)
+            try:
+                for layer, experts in stale.values():
+                    refresh_layer(layer, experts)
+            finally:
+                pending, _state.guards = _guards(), []
+            if not failed and pending:
+                from .sync.digest import read_flags
+                for (_, check), hit in zip(pending, read_flags([f for f, _ in pending])):
+                    if hit:
+                        check()
+
+
+def _guards() -> list:
+    if not hasattr(_state, "guards"):
+        _state.guards = []
+    return _state.guards
+
+
+def guard(flag, check) -> None:
+    """A kernel's guard on the bytes it just derived from: ``flag`` (a 0-dim bool tensor, not yet read: no
+    synchronization) says whether ``check()`` -- which raises, naming the layer -- must run.  Inside a
+    :func:`deferred_refresh` scope (an update's bucket) every flag is read once, when the outermost scope
+    exits, so a bucket costs one synchronization, not one per layer; outside one, now."""
+    if _scope_stack():
+        _guards().append((flag, check))
+    elif bool(flag):
+        check()

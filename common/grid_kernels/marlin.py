@@ -254,6 +254,7 @@ class MarlinLinear(GridKernel):
 
     def refresh(self, layer, experts=None) -> None:
         ops = providers.get("marlin")
+        guard_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         with torch.no_grad():
             layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
             layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
@@ -279,6 +280,16 @@ class MarlinLinear(GridKernel):
         gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
         return (f"{gemv}marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
                 f"{self.bf16_copy.describe()}{self.humming.describe()}")
+
+
+def guard_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:
+    """:func:`check_bf16_exact_weights` after a write into a processed layer (an update, a trainer's own
+    ``load_weights``): the rare case (a scale byte < 3 at all) flagged without reading the device, the full
+    check only where it is flagged (``refresh.guard``: one synchronization per update bucket).  An update
+    that brings such weights is refused and rolled back, as the first load refuses them."""
+    from ..kernels.qdq_triton import BF16_EXACT_MIN_SCALE
+    from ..refresh import guard
+    guard((scales < BF16_EXACT_MIN_SCALE).any(), lambda: check_bf16_exact_weights(scales, weight, prefix))
 
 
 def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:

@@ -40,7 +40,7 @@ import torch.nn.functional as Fn
 
 from . import providers
 from .base import GridKernel
-from .marlin import _marlin_supported, check_bf16_exact_weights, marlin_scales, marlin_weight
+from .marlin import _marlin_supported, check_bf16_exact_weights, guard_bf16_exact_weights, marlin_scales, marlin_weight
 
 _BLOCK_SIZES = (8, 16, 32, 48, 64)
 
@@ -206,6 +206,9 @@ class MarlinMoE(GridKernel):
 
     def refresh(self, layer, experts=None) -> None:
         n = layer.w13_weight.shape[0]
+        for which in ("w13", "w2"):          # whole tensors: two launches per layer, not per expert
+            guard_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
+                                     f"{self.spec.prefix}.{which}")
         with torch.no_grad():
             for e in (range(n) if experts is None else experts):
                 for which in ("w13", "w2"):

@@ -19,7 +19,7 @@ import torch
 
 from .base import GridKernel, bf16_output_no_bias
 from .marlin import DEFAULT_PREFILL_CROSSOVER, Bf16WeightCopy, check_bf16_exact_weights, cublas_fp32_reduction, \
-    dequant_cublas, gemv_band, grid_gemv_linear
+    dequant_cublas, gemv_band, grid_gemv_linear, guard_bf16_exact_weights
 
 
 @torch.library.custom_op("mxfp8_learner_grid::linear_w8a16", mutates_args=())
@@ -100,6 +100,7 @@ class W8A16Linear(GridKernel):
         self.humming.process(self, layer)
 
     def refresh(self, layer, experts=None) -> None:
+        guard_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         self.bf16_copy.refresh(layer)
         self.humming.refresh(layer)
 

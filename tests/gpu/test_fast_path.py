@@ -170,6 +170,26 @@ def test_refresh_in_place_under_cuda_graph(m, opts):
     assert stale == []
 
 
+@pytest.mark.parametrize("opts", [{}, {"kernel": "w8a16"}])
+def test_an_update_with_blocks_not_exact_in_bf16_is_refused_at_the_buckets_end(opts):
+    """The first load refuses a non-zero block with scale byte < 3 (not exact in the bf16 fast paths); a write
+    into the processed layer inside an update's bucket (deferred_refresh) is held to the same rule when the
+    bucket ends, naming the layer; an all-zero block with scale byte 0 (exact) passes."""
+    from mxfp8_learner_grid.common.refresh import deferred_refresh, mark_written
+    n, k = 1024, 4096
+    layer = grid_layer(n, k, seed=1)
+    setup_kernel(layer, **opts)
+    with deferred_refresh():
+        layer.weight.data.view(torch.uint8)[5, 64:96] = 0
+        layer.weight_scale_inv.data[5, 2] = 0
+        mark_written(layer)
+    with pytest.raises(ValueError, match="t: 1 weight blocks have E8M0 scale byte < 3"):
+        with deferred_refresh():
+            layer.weight.data.view(torch.uint8)[7, :32] = 0x08
+            layer.weight_scale_inv.data[7, 0] = 1
+            mark_written(layer)
+
+
 def moe_layer(e, h, i, seed=0, kernel=None, **opts):
     g = torch.Generator(device="cuda").manual_seed(seed)
     layer = torch.nn.Module()
