@@ -22,7 +22,9 @@ preallocated buffers on GPU 0: the bytes an update must write) and ``copy_peer``
 GPU 0, the bytes over NVLink).  Reported: seconds per update (median of ``--reps`` after one
 warm-up), the phases (the client's, and the slowest rank's as ``rank_*``: ``read_s`` receiving the
 buckets, ``loaders_s`` the engine's loaders under the recorder, ``refresh_s`` the derived tensors), and
-the ratio to the baseline.  Each update's report must be ok.
+the ratio to the baseline.  Each update's report must be ok.  ``--replay on,off``: each configuration with
+the ranks' write plan (``common/sync/plan.py``: after the warm-up update, the same tensors are written by
+replaying what vLLM's loaders did; ``rank_replayed`` counts them) and without it (vLLM's loaders every time).
 
 ``--profile``: after the timed runs, one more update per format (sampled checks) under cProfile in
 the engine's worker (started and read back through ``collective_rpc``); the top functions by
@@ -141,6 +143,8 @@ def main():
     ap.add_argument("--out", default="/tmp/update.json")
     ap.add_argument("--root", default="/tmp/grid-models")
     ap.add_argument("--profile", action="store_true", help="one cProfiled update per format (worker side)")
+    ap.add_argument("--replay", default="on,off", help="the ranks' write plan: on (replayed after the warm-up "
+                                                       "update), off (every tensor through vLLM's loaders), or both")
     args = ap.parse_args()
     if args.profile:                  # collective_rpc with a function (the profiler hooks) needs this
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -184,9 +188,10 @@ def main():
             if base_key not in res["baselines"]:
                 res["baselines"][base_key] = {"s": timed_copy(named, trainer_device("cuda_ipc")), "bytes": nbytes}
             base = res["baselines"][base_key]["s"]
-            for checks in args.checks.split(","):
+            for checks, replay in ((c, rp) for c in args.checks.split(",") for rp in args.replay.split(",")):
                 client.digest = {"off": "off", "sampled": "sampled", "full": "full"}[checks]
                 client.backup = "off" if checks == "off" else "device"
+                client.replay = replay == "on"      # the ranks' write plan (the warm-up update builds it)
                 times, phases, ok = [], None, True
                 for rep in range(args.reps + 1):
                     r = client.update_weights(named, format=fmt)
@@ -198,13 +203,13 @@ def main():
                         phases = {k: round(v, 4) for k, v in r.timings.items()}
                         phases.update({c.name: round(c.cost_s, 4) for c in r.checks})
                 s = statistics.median(times)
-                row = {"transport": transport, "format": fmt, "checks": checks, "s": round(s, 4),
+                row = {"transport": transport, "format": fmt, "checks": checks, "replay": replay, "s": round(s, 4),
                        "bytes": nbytes, "baseline": base_key, "ratio_to_baseline": round(s / base, 2),
                        "all_ok": ok, "phases_last": phases}
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)
             if args.profile:
-                client.digest, client.backup = "sampled", "device"
+                client.digest, client.backup, client.replay = "sampled", "device", True
                 llm.collective_rpc(_profile_start)
                 r = client.update_weights(named, format=fmt)
                 prof = llm.collective_rpc(_profile_stop)[0]

@@ -35,7 +35,7 @@ from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
 from mxfp8_learner_grid.common.grid_weight import check_data, check_grid_shape, check_scales
 from mxfp8_learner_grid.common.refresh import mark_written
-from mxfp8_learner_grid.common.sync.recorder import content_checked, note_derived_source
+from mxfp8_learner_grid.common.sync.recorder import content_checked, note_derived_source, note_shard_write
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
@@ -69,6 +69,13 @@ def writes(layer) -> Counter:
     if not hasattr(layer, "_grid_writes"):
         layer._grid_writes = Counter()
     return layer._grid_writes
+
+
+def count_write(layer, param: str, key, loaded: torch.Tensor) -> None:
+    """One more write of shard ``key`` of ``layer.<param>``, made from ``loaded`` (told to an update being
+    recorded, for its write plan)."""
+    writes(layer)[(param, key)] += 1
+    note_shard_write(layer, param, key, loaded)
 
 
 def _call(base_loader, name: str, param, loaded, *args, **kwargs):
@@ -117,7 +124,7 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
             sargs, skwargs = (_scale_args(args), _scale_kwargs(kwargs)) if named_loader else (args, kwargs)
             _call(base_loader, label + " (scales)", getattr(layer, scale_param), s, *sargs, **skwargs)
             if key is not SKIP:
-                writes(layer)[(scale_param, key)] += 1
+                count_write(layer, scale_param, key, loaded_weight)
         elif loaded_weight.dtype == F.FP8_DTYPE:
             check_data(label, loaded_weight, whole=False)
             _check_shape(label, loaded_weight, want)
@@ -126,7 +133,7 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
             raise WireFormatError(f"{label}: checkpoint tensor has dtype {loaded_weight.dtype}; expected "
                                   f"float8_e4m3fn (wire format) or bf16/fp16/fp32 (quantized on load)")
         if key is not SKIP:
-            writes(layer)[(weight_param, key)] += 1
+            count_write(layer, weight_param, key, loaded_weight)
             mark_written(layer, _expert_of(key))
         return out
 
@@ -146,7 +153,7 @@ def wrap_scale_loader(layer, scale_param: str, base_loader: Callable, shard_key:
                      values=not content_checked(loaded_weight))
         out = _call(base_loader, label, param, loaded_weight, *args, **kwargs)
         if key is not SKIP:
-            writes(layer)[(scale_param, key)] += 1
+            count_write(layer, scale_param, key, loaded_weight)
             mark_written(layer, _expert_of(key))
         return out
 

@@ -33,6 +33,7 @@ from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin, LinearFacts
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
+from mxfp8_learner_grid.common.sync.plan import WritePlan
 from . import compat
 
 _KV_PARAMS = ("k_scale", "v_scale")
@@ -56,6 +57,7 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         self.hf_config = hf_config if hf_config is not None else model.config
         self.quant_config = quant_config if quant_config is not None else getattr(model, "quant_config", None)
         self.registry = DerivedRegistry()          # the kernels' derived tensors, registered on first use
+        self.plan = WritePlan()
         self._registered = False
         self.partial = False
         self._sig = None
@@ -65,9 +67,8 @@ class SGLangAdapter(GridLayoutMixin, EngineAdapter):
         return self._model
 
     def load(self, named):
-        named = list(named)
         # the class's loader: an open grid update shadows the instance's (sglang_plugin/updater.py)
-        type(self._model).load_weights(self._model, named)
+        self.load_planned(named, lambda rest: type(self._model).load_weights(self._model, rest))
 
     def grid_layers(self):
         from .linear_method import LearnerGridLinearMethod

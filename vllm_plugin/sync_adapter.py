@@ -19,6 +19,7 @@ from mxfp8_learner_grid.common.sync.derived import DerivedRegistry
 from mxfp8_learner_grid.common.sync.expect import GridLayoutMixin, LinearFacts
 from mxfp8_learner_grid.common.sync.manifest import checkpoint_signature
 from mxfp8_learner_grid.common.sync.adapter import EngineAdapter
+from mxfp8_learner_grid.common.sync.plan import WritePlan
 
 
 
@@ -31,6 +32,7 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
         self.rank = rank
         self.version = 0
         self.registry = DerivedRegistry()
+        self.plan = WritePlan()
         self._sig = None
 
     # -- basics -------------------------------------------------------------------------
@@ -38,7 +40,7 @@ class VLLMAdapter(GridLayoutMixin, EngineAdapter):
         return self._model
 
     def load(self, named):
-        self._model.load_weights(iter(list(named)))
+        self.load_planned(named, lambda rest: self._model.load_weights(iter(rest)))
 
     def quant_config(self):
         return self.vllm_config.quant_config

@@ -18,6 +18,17 @@ class EngineAdapter:
 
     rank: int = 0
     version: int = 0
+    #: the rank's write plan (``plan.WritePlan``; None: every tensor through the engine's loader), and whether
+    #: the open update may replay it (set by the session)
+    plan = None
+    plan_active: bool = False
+
+    def load_planned(self, named, engine_load) -> None:
+        """``named`` through the write plan where the open update may use it, else through ``engine_load``."""
+        if self.plan is not None and self.plan_active:
+            self.plan.load(named, engine_load)
+        else:
+            engine_load(list(named))
 
     def model(self) -> torch.nn.Module:
         raise NotImplementedError

@@ -78,6 +78,7 @@ class GridSyncClient:
                  cache_probe_prompt: Optional[list] = None, probe_stat: str = "max"):
         self.t = transport
         self.digest, self.fraction, self.backup, self.bucket_bytes = digest, fraction, backup, bucket_bytes
+        self.replay = True                # ranks may replay their write plan (common/sync/plan.py); False: loaders
         self.probe_prompts, self.learner_logprobs, self.probe_tolerance = probe_prompts, learner_logprobs, \
             probe_tolerance
         self.cache_probe_prompt = cache_probe_prompt
@@ -105,7 +106,8 @@ class GridSyncClient:
         manifest = Manifest.of_specs(src.metadata(), version, format, partial,
                                      {str(k): [float(a), float(b)] for k, (a, b) in (kv_scales or {}).items()} or None)
         opts = {"backup": self.backup if not verify else (self.backup or "host"), "digest": self.digest,
-                "fraction": self.fraction, "seed": version if seed is None else seed, "verify": bool(verify)}
+                "fraction": self.fraction, "seed": version if seed is None else seed, "verify": bool(verify),
+                "replay": bool(self.replay)}
         report = SyncReport(version=version, applied=False)
         timings = report.timings
         t_all = time.perf_counter()

@@ -40,14 +40,14 @@ from .session import UpdateSession
 log = logging.getLogger("mxfp8_learner_grid.sync")
 
 #: the options of ``begin`` and their defaults (the client sends them as JSON)
-SESSION_DEFAULTS = {"backup": True, "digest": "sampled", "fraction": 0.05, "seed": 0, "verify": False}
+SESSION_DEFAULTS = {"backup": True, "digest": "sampled", "fraction": 0.05, "seed": 0, "verify": False, "replay": True}
 
 
 def session_options(options_json: str) -> dict:
     """``UpdateSession`` keyword arguments from the client's options JSON (unknown keys ignored)."""
     opts = {**SESSION_DEFAULTS, **json.loads(options_json or "{}")}
     return {"backup": opts["backup"], "digest": opts["digest"], "fraction": float(opts["fraction"]),
-            "seed": int(opts["seed"]), "verify": bool(opts["verify"])}
+            "seed": int(opts["seed"]), "verify": bool(opts["verify"]), "replay": bool(opts["replay"])}
 
 
 def checked(method: str, results: list) -> list:

@@ -61,6 +61,8 @@ class UpdateRejected(ValueError):
 
 
 _ACTIVE: list = []
+#: the source name of a write the recorder could not attribute to any learner tensor
+UNATTRIBUTED = "<unattributed>"
 
 
 def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) -> None:
@@ -76,6 +78,17 @@ def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) 
         src = rec.source_of(origin)
         if src is not None:
             rec.add_source(derived, src.name, role, checked=src.checked)
+
+
+def note_shard_write(layer, param: str, key, loaded: torch.Tensor) -> None:
+    """Loaders call this when they count a write of shard ``key`` of ``layer.<param>`` (``common.loading``'s
+    write accounting) made from ``loaded``: the recorder keeps it under ``loaded``'s learner name, so that a
+    :class:`~.plan.WritePlan` can repeat the count when it replays the writes.  A no-op when no update is
+    being recorded."""
+    for rec in _ACTIVE:
+        src = rec.source_of(loaded)
+        if src is not None:
+            rec.shards.append((src.name, layer, param, key))
 
 
 def content_checked(t: torch.Tensor) -> bool:
@@ -160,6 +173,8 @@ class Write:
     src_box: Optional[Box]    # in the learner tensor (None: not a box, e.g. a scalar broadcast)
     param: str                # engine parameter name
     dest_box: Optional[Box]   # in the engine parameter
+    src_shape: Optional[tuple] = None   # the shape of the source tensor src_box is in (the learner's, or
+                                        # the grid bytes a loader quantized it into)
 
 
 @dataclass
@@ -211,6 +226,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
     _by_storage: dict = field(default_factory=dict)
     _sources: dict = field(default_factory=dict)
     _pending: list = field(default_factory=list)  # (message, 0-dim bool flag) content checks not yet read
+    shards: list = field(default_factory=list)    # (learner name, layer, param, shard key): counted writes
 
     def __post_init__(self):
         super().__init__()
@@ -298,7 +314,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
 
     def _on_write(self, pname, param, dest, src):
         s = self.source_of(src) if isinstance(src, torch.Tensor) else None
-        sname = s.name if s else "<unattributed>"
+        sname = s.name if s else UNATTRIBUTED
         if isinstance(src, torch.Tensor):
             if dest.dtype != src.dtype:
                 raise UpdateRejected(f"{sname}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
@@ -311,7 +327,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         dbox = view_box(dest, param.shape, param.storage_offset())
         sbox = view_box(src, s.base_shape, s.base_offset) if (s is not None and isinstance(src, torch.Tensor)) \
             else None
-        self.writes.append(Write(sname, s.role if s else "plain", sbox, pname, dbox))
+        self.writes.append(Write(sname, s.role if s else "plain", sbox, pname, dbox, s.base_shape if s else None))
 
     # -- undo ------------------------------------------------------------------------
     @torch.no_grad()

@@ -47,9 +47,12 @@ def _now() -> float:
 
 class UpdateSession:
     def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool | str = True, digest: str = "sampled",
-                 fraction: float = 0.05, seed: int = 0, verify: bool = False):
+                 fraction: float = 0.05, seed: int = 0, verify: bool = False, replay: bool = True):
         t0 = _now()
         self.verify = bool(verify)
+        # the adapter's write plan (plan.py): replayed for the tensors it describes, rebuilt after a clean
+        # commit; never when verifying a trainer's own load (that must run the engine's loader)
+        self.plan = getattr(adapter, "plan", None) if (replay and not self.verify) else None
         if self.verify and not backup:
             backup = "host"                 # verification compares with, and restores, the bytes found
         if digest not in ("off", "sampled", "full"):
@@ -88,11 +91,13 @@ class UpdateSession:
         # verification of weights written by someone else (a trainer's native load_weights): the
         # derived tensors as found, before the replay rewrites them
         self.stale_before = adapter.derived().stale() if self.verify else []
+        adapter.plan_active = self.plan is not None
         adapter.begin()
         # seconds on this rank: read_s (receiving the buckets, as the caller timed it), load_s (whole
         # buckets) of which loaders_s (the engine's loaders under the recorder, content checks read) and
         # refresh_s (derived tensors rebuilt after each bucket)
-        self.timings = {"begin_s": _now() - t0, "read_s": 0.0, "load_s": 0.0, "loaders_s": 0.0, "refresh_s": 0.0}
+        self.timings = {"begin_s": _now() - t0, "read_s": 0.0, "load_s": 0.0, "loaders_s": 0.0, "refresh_s": 0.0,
+                        "replayed": 0}
 
     # -- loading ---------------------------------------------------------------------
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]], read_s: float = 0.0) -> None:
@@ -126,6 +131,8 @@ class UpdateSession:
                     self.adapter.load(items)
                 t2 = _now()
             self.timings["loaders_s"] += t2 - t1
+            if self.plan is not None:
+                self.timings["replayed"] += self.plan.replayed
             self.timings["refresh_s"] += _now() - t2
             written = {w.source for w in self.recorder.writes[n_before:]}
             self.silent += [n for n, _ in items if n not in written]
@@ -136,8 +143,14 @@ class UpdateSession:
         finally:
             self.timings["load_s"] += _now() - t0
 
+    def _drop_plan(self) -> None:
+        """A failed or refused update: the plan may be what went wrong; the engine's loaders write the next."""
+        if self.plan is not None:
+            self.plan.clear()
+
     def _fail(self, exc: BaseException) -> None:
         self.dead = True
+        self._drop_plan()
         if self.backup:
             self._rollback()
         else:
@@ -184,6 +197,7 @@ class UpdateSession:
         report.extra["rank"] = self.adapter.rank
         report.timings = dict(self.timings, finish_s=_now() - t0)
         if report.failed():
+            self._drop_plan()
             if self.backup:
                 self._rollback()
                 report.rolled_back = True
@@ -205,12 +219,20 @@ class UpdateSession:
             self.adapter.version = self.manifest.version
             self.recorder.backups.clear()
             self.committed = True
+            if self.plan is not None:        # every check passed: what the loaders did is the plan from now on
+                self.plan.capture(self.adapter.model(), self._sent_specs(), self.recorder.writes, self.recorder.shards)
             return True
+        self._drop_plan()
         if self.backup and getattr(self, "local_ok", False):
             self._rollback()
         self.local_ok = False
         self.aborted = True
         return False
+
+    def _sent_specs(self) -> dict:
+        """{learner name: (shape, torch dtype)} of the tensors this update wrote."""
+        return {n: (tuple(sp.shape), getattr(torch, str(sp.dtype).rpartition(".")[2]))
+                for n, sp in self.specs.items() if n in self.received}
 
     def _restore_objects(self) -> None:
         model = self.adapter.model()
@@ -227,6 +249,7 @@ class UpdateSession:
         if getattr(self, "committed", False):
             return CheckResult("atomic_versioning", True, ["already committed: the new weights serve, whole"],
                                rank=self.adapter.rank)
+        self._drop_plan()
         if not self.dead and not self.finished:
             self._fail(RuntimeError("aborted by the client"))
         elif getattr(self, "local_ok", False) and self.backup:

@@ -98,6 +98,12 @@ def main():
     for sc in spec["scenarios"]:
         faults, kw, target, fmt = [], {}, "B" if serving["w"] == "A" else "A", "bf16"
         tensors = payload[target]
+        # "replay:<scenario>": the same, expected to go through the ranks' write plan (kept from the last
+        # clean update); "loaders:<scenario>": with the plan turned off by the client; "<scenario>#n": the
+        # n-th run of a scenario (its own result)
+        mode, _, sc_base = sc.split("#")[0].rpartition(":")
+        client.replay = mode != "loaders"
+        sc_orig, sc = sc, sc_base
         if sc == "clean_mxfp8":
             target, fmt = "A", "mxfp8"
             tensors = payload["A-wire"]
@@ -131,12 +137,12 @@ def main():
             serving["w"] = target
         after = fps()
         lp = engine_lp()
-        results[sc] = {
+        results[sc_orig] = {
             "applied": rep.applied, "rolled_back": rep.rolled_back, "error": rep.error, "failed": rep.failed(),
             "checks": {c.name: c.ok for c in rep.checks}, "summary": rep.summary(),
             "weights_unchanged": before == after, "serving": serving["w"],
             "vs_A": maxdiff(lp, learner["A"](prompts)), "vs_B": maxdiff(lp, learner["B"](prompts)),
-            "version": client.version, "timings": rep.timings,
+            "version": client.version, "timings": rep.timings, "n_tensors": len(tensors),
         }
         # after a fault that was caught, the engine must serve the previous weights, whole
     report_and_exit(llm, results)

@@ -27,8 +27,17 @@ from fault_injection import ADAPTER_FAULTS, FAULTS  # noqa: E402   (test machine
 DENSE_ORDER = ["clean_bf16", "clean_mxfp8", "skip_rebuild", "swap_kv", "duplicate_shard", "realloc",
                "crash_midway", "padding_not_stripped", "swizzled_as_compact", "skip_kv", "skipped_cache_flush",
                "clean_bf16_back"]
-MOE_ORDER = ["clean_bf16", "clean_mxfp8", "skip_expert"]
-TP2_ORDER = ["clean_bf16", "skip_version", "clean_mxfp8"]
+MOE_ORDER = ["clean_bf16", "clean_mxfp8", "skip_expert", "clean_bf16#2", "replay:clean_bf16_back",
+             "replay:skip_expert", "clean_mxfp8#2", "replay:clean_mxfp8#3"]
+TP2_ORDER = ["clean_bf16", "skip_version", "clean_mxfp8", "replay:clean_mxfp8#2"]
+# the ranks' write plan (common/sync/plan.py): kept after a clean commit, replayed for the same tensors,
+# dropped after any failure; faults injected while it is replayed are caught as with the loaders
+REPLAY_ORDER = ["clean_bf16", "replay:clean_bf16_back", "replay:swap_kv", "clean_bf16#2", "replay:duplicate_shard",
+                "clean_mxfp8", "replay:clean_mxfp8#2", "loaders:clean_bf16#3", "replay:clean_bf16_back#2"]
+
+
+def replayed(res) -> int:
+    return int(res["timings"].get("rank_replayed", 0))
 
 
 def run(spec, tp=1):
@@ -71,11 +80,46 @@ def test_dense_updates_and_faults(tmp_path):
     assert_clean(res["clean_bf16_back"], "A")
 
 
+def test_dense_updates_replayed_from_the_write_plan(tmp_path):
+    """A clean update through the loaders leaves a plan; the next update of the same tensors is replayed from
+    it -- every tensor -- and computes the new learner exactly; faults injected under replay are caught by
+    their checks with the previous weights serving; a failure drops the plan (the next update goes through
+    the loaders); a tensor of another dtype goes through the loaders; the client can turn replay off."""
+    res = run({"kind": "dense", "tp": 1, "root": str(tmp_path), "scenarios": REPLAY_ORDER})
+    assert_clean(res["clean_bf16"], "B")
+    assert replayed(res["clean_bf16"]) == 0
+    back = res["replay:clean_bf16_back"]
+    assert_clean(back, "A")
+    assert replayed(back) == back["n_tensors"], back["timings"]
+    assert_caught(res["replay:swap_kv"], "swap_kv", "A")
+    assert replayed(res["replay:swap_kv"]) > 0
+    assert_clean(res["clean_bf16#2"], "B")
+    assert replayed(res["clean_bf16#2"]) == 0                          # dropped by the fault before
+    assert_caught(res["replay:duplicate_shard"], "duplicate_shard", "B")
+    assert replayed(res["replay:duplicate_shard"]) > 0
+    assert_clean(res["clean_mxfp8"], "A")
+    assert_clean(res["replay:clean_mxfp8#2"], "A")
+    assert replayed(res["replay:clean_mxfp8#2"]) == res["replay:clean_mxfp8#2"]["n_tensors"]
+    assert_clean(res["loaders:clean_bf16#3"], "B")
+    assert replayed(res["loaders:clean_bf16#3"]) == 0
+    mixed = res["replay:clean_bf16_back#2"]                # grid weights fp8 in the plan, bf16 sent: loaders
+    assert_clean(mixed, "A")
+    assert 0 < replayed(mixed) < mixed["n_tensors"]
+
+
 def test_moe_updates_and_missed_expert(tmp_path):
     res = run({"kind": "moe", "tp": 1, "root": str(tmp_path), "scenarios": MOE_ORDER})
     assert_clean(res["clean_bf16"], "B")
     assert_clean(res["clean_mxfp8"], "A")
     assert_caught(res["skip_expert"], "skip_expert", "A")
+    assert_clean(res["clean_bf16#2"], "B")
+    assert_clean(res["replay:clean_bf16_back"], "A")
+    assert replayed(res["replay:clean_bf16_back"]) > 0
+    assert_caught(res["replay:skip_expert"], "skip_expert", "A")
+    assert_clean(res["clean_mxfp8#2"], "A")
+    assert replayed(res["clean_mxfp8#2"]) == 0
+    assert_clean(res["replay:clean_mxfp8#3"], "A")
+    assert replayed(res["replay:clean_mxfp8#3"]) > 0
 
 
 def test_tensor_parallel_updates_and_version_mix(tmp_path):
@@ -83,6 +127,8 @@ def test_tensor_parallel_updates_and_version_mix(tmp_path):
     assert_clean(res["clean_bf16"], "B")
     assert_caught(res["skip_version"], "skip_version", "B")
     assert_clean(res["clean_mxfp8"], "A")
+    assert_clean(res["replay:clean_mxfp8#2"], "A")
+    assert replayed(res["replay:clean_mxfp8#2"]) > 0
 
 
 def test_every_condition_has_an_injected_failure_that_the_suite_runs():

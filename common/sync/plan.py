@@ -1,0 +1,161 @@
+"""A rank's write plan: what the engine's own loaders did with each learner tensor, replayed.
+
+An engine's ``load_weights`` walks its module tree for every tensor of every update -- name mapping,
+q/k/v and gate/up offsets, TP narrowing, expert ids -- and does the same thing each time the same
+tensor (name, shape, dtype) arrives.  On the H200 that walk and its bookkeeping were most of an
+update's time on the rank (BENCHMARKS.md).  So after an update that passed every check and was
+committed, the rank keeps, per learner tensor:
+
+* its writes as the recorder saw them: (role, box in the source, parameter, box in the parameter),
+  the source being the tensor itself or the grid bytes our loaders quantized it into (``quantized``:
+  ``quantize_rows`` of the whole tensor -- the only derivation a plan repeats);
+* the shard writes the loaders counted (``common.loading.count_write``) with their layers.
+
+A later update's tensor of the same name, shape and dtype is then written by replaying those copies
+(one ``copy_`` per box, still inside the session's recorder: attributed, dtype-checked, backed up) and
+counting the same shards, marking the same layers for their derived-tensor refresh -- without the
+module tree.  Everything the session checks stays checked against the layout it computes on its own
+(completeness, layout, byte identity, derived state, storage): a replay that wrote anything else
+would fail them like a loader bug.  The plan is dropped whenever it may no longer describe the engine:
+
+* a parameter it writes was rebound or moved (``storage_stability``'s condition);
+* an update that used it failed or was rolled back;
+* a tensor it cannot describe exactly (an unattributed write, a box that is not a box, bytes derived
+  in some other way) is left out, so the engine's loader handles that tensor, every time.
+
+Engine-agnostic: an adapter holds one (``plan``) and calls :meth:`WritePlan.load` from its ``load``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .. import format as F
+from .recorder import UNATTRIBUTED, note_derived_source
+from .regions import slice_box
+
+
+@dataclass
+class _Entry:
+    shape: tuple
+    dtype: torch.dtype
+    quantized: bool                 # writes come from quantize_rows(tensor): role "data" -> codes, "scale" -> scales
+    writes: list                    # (role, src_box, parameter name, dest_box)
+    shards: list                    # (weak ref to the layer, param, shard key), in the order the loaders counted them
+
+
+@dataclass
+class WritePlan:
+    """Holds only weak references to the engine's modules and parameters: an engine that rebuilds a layer
+    (vLLM's layerwise reload) frees the old one, and the plan then no longer describes it (:meth:`valid`)."""
+    entries: dict = field(default_factory=dict)      # learner name -> _Entry
+    params: dict = field(default_factory=dict)       # parameter name -> (weak ref to the module, attribute,
+                                                     #                    weak ref to the tensor, data_ptr)
+    replayed: int = 0                                # tensors the last load calls replayed (for reports and tests)
+
+    # -- building ----------------------------------------------------------------------------
+    def capture(self, model: torch.nn.Module, specs: dict, writes: list, shards: list) -> int:
+        """Keep what a committed, fully checked update did: ``specs`` {learner name: (shape, dtype)} of the
+        tensors it sent, ``writes`` (the recorder's), ``shards`` (the recorder's counted shard writes).
+        Adds to the plan (a partial update keeps the entries of the others); returns the entries kept."""
+        if any(w.source == UNATTRIBUTED for w in writes):
+            self.clear()                      # some write was not the learner's: describe nothing of it
+            return 0
+        if self.entries and not self.valid():
+            self.clear()
+        by_source: dict = {}
+        for w in writes:
+            by_source.setdefault(w.source, []).append(w)
+        by_shard: dict = {}
+        for name, layer, param, key in shards:
+            by_shard.setdefault(name, []).append((weakref.ref(layer), param, key))
+        live = dict(model.named_parameters())
+        kept = 0
+        for name, (shape, dtype) in specs.items():
+            entry = self._entry(name, tuple(shape), dtype, by_source.get(name, []), by_shard.get(name, []), live)
+            if entry is None:
+                self.entries.pop(name, None)
+                continue
+            self.entries[name] = entry
+            kept += 1
+        for pname in {w[2] for e in self.entries.values() for w in e.writes} - set(self.params):
+            mod_name, _, attr = pname.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            t = live[pname]
+            self.params[pname] = (weakref.ref(mod), attr, weakref.ref(t), t.data_ptr())
+        return kept
+
+    @staticmethod
+    def _entry(name, shape, dtype, writes, shards, live) -> Optional[_Entry]:
+        if not writes or any(w.src_box is None or w.dest_box is None or w.param not in live for w in writes):
+            return None
+        roles = {w.role for w in writes}
+        high = dtype in (torch.bfloat16, torch.float16, torch.float32)
+        quantized = high and roles <= {"data", "scale"}
+        if quantized:
+            want = {"data": shape, "scale": (*shape[:-1], shape[-1] // F.BLOCK_SIZE)}
+            if len(shape) < 1 or shape[-1] % F.BLOCK_SIZE or any(tuple(w.src_shape or ()) != want[w.role]
+                                                                for w in writes):
+                return None                   # bytes derived otherwise (a slice quantized on its own): the loader's
+        elif len(roles) != 1 or any(tuple(w.src_shape or ()) != shape for w in writes):
+            return None
+        return _Entry(shape, dtype, quantized, [(w.role, w.src_box, w.param, w.dest_box) for w in writes],
+                      list(shards))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.params.clear()
+
+    def valid(self) -> bool:
+        """Every parameter the plan writes is still its module's, in the same storage, and every layer whose
+        shards it counts is alive."""
+        for mod_ref, attr, t_ref, ptr in self.params.values():
+            mod, t = mod_ref(), t_ref()
+            if mod is None or t is None or getattr(mod, attr, None) is not t or t.data_ptr() != ptr:
+                return False
+        return all(ref() is not None for e in self.entries.values() for ref, _, _ in e.shards)
+
+    # -- replaying --------------------------------------------------------------------------------
+    def load(self, named: list, engine_load: Callable[[list], None]) -> None:
+        """Write ``named`` [(learner name, tensor)]: tensors the plan describes (same name, shape, dtype) by
+        replay, the rest through ``engine_load`` (the engine's own loader), in one call."""
+        from ..loading import count_write
+        from ..refresh import mark_written
+        named = list(named)
+        self.replayed = 0
+        if self.entries and not self.valid():
+            self.clear()
+        rest = []
+        for name, t in named:
+            e = self.entries.get(name)
+            if e is None or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                rest.append((name, t))
+                continue
+            if e.quantized:
+                from .. import quantize_rows
+                q, s = quantize_rows(t)
+                note_derived_source(q, t, "data")
+                note_derived_source(s, t, "scale")
+                src = {"data": q, "scale": s}
+            else:
+                src = {e.writes[0][0]: t}
+            with torch.no_grad():
+                for role, sbox, pname, dbox in e.writes:
+                    slice_box(self.params[pname][2](), dbox).copy_(slice_box(src[role], sbox))
+            layers = [(ref(), param, key) for ref, param, key in e.shards]
+            for layer, param, key in layers:
+                count_write(layer, param, key, t)
+            for layer, expert in {(id(layer), _expert(key)): (layer, _expert(key)) for layer, _, key in layers}.values():
+                mark_written(layer, expert)
+            self.replayed += 1
+        if rest:
+            engine_load(rest)
+
+
+def _expert(key):
+    from ..loading import _expert_of
+    return _expert_of(key)

@@ -1,0 +1,126 @@
+"""The ranks' write plan (common/sync/plan.py) on a plain PyTorch 'engine' whose loader fuses two learner
+tensors into one parameter: after a clean commit the same tensors are written by replay -- the same
+writes, attributed and boxed as the loader's, the loader not called -- and the plan is dropped whenever it
+may not describe the engine any more."""
+
+import pytest
+import torch
+
+from mxfp8_learner_grid.common.sync.manifest import Manifest
+from mxfp8_learner_grid.common.sync.plan import WritePlan
+from mxfp8_learner_grid.common.sync.recorder import UpdateRejected
+from mxfp8_learner_grid.common.sync.session import EngineAdapter, UpdateSession
+
+
+class FusedAdapter(EngineAdapter):
+    """'q' and 'k' [8, 32] land in rows 0-7 / 8-15 of one fused [16, 32] parameter; 'norm' as is."""
+
+    def __init__(self):
+        self.m = torch.nn.Module()
+        self.m.qk = torch.nn.Parameter(torch.zeros(16, 32), requires_grad=False)
+        self.m.norm = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
+        self.plan = WritePlan()
+        self.loader_calls = 0
+
+    def model(self):
+        return self.m
+
+    def load(self, named):
+        self.load_planned(named, self._engine_load)
+
+    def _engine_load(self, named):
+        for n, t in named:
+            self.loader_calls += 1
+            if n in ("q", "k"):
+                self.m.qk.data.narrow(0, 0 if n == "q" else 8, 8).copy_(t)
+            elif n == "norm":
+                self.m.norm.data.copy_(t)
+
+    def signature(self):
+        return ({"q": ((8, 32), False), "k": ((8, 32), False), "norm": ((32,), False)},
+                {"q": torch.float32, "k": torch.float32, "norm": torch.float32}, set())
+
+    def scope(self, touched):
+        return dict(self.m.named_parameters())
+
+
+def _update(ad, version, tensors, replay=True):
+    s = UpdateSession(ad, Manifest.of(tensors, version, "bf16"), digest="full", replay=replay)
+    s.load(list(tensors.items()))
+    rep = s.finish()
+    assert not rep.failed(), rep.summary()
+    assert s.commit(True)
+    return s
+
+
+def _tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(8, 32, generator=g), "k": torch.randn(8, 32, generator=g), "norm": torch.randn(32, generator=g)}
+
+
+def _writes(s):
+    return [(w.source, w.role, w.src_box, w.param, w.dest_box) for w in s.recorder.writes]
+
+
+def test_a_committed_update_is_replayed_with_the_loaders_writes():
+    ad = FusedAdapter()
+    first = _update(ad, 1, _tensors(0))
+    assert ad.loader_calls == 3 and first.timings["replayed"] == 0 and set(ad.plan.entries) == {"q", "k", "norm"}
+    new = _tensors(1)
+    second = _update(ad, 2, new)
+    assert ad.loader_calls == 3 and second.timings["replayed"] == 3       # the loader was not called
+    assert torch.equal(ad.m.qk[:8], new["q"]) and torch.equal(ad.m.qk[8:], new["k"]) and torch.equal(ad.m.norm, new["norm"])
+    assert _writes(second) == _writes(first)                              # same attribution and boxes
+    # a tensor of another shape or dtype, or a client that turns replay off: the loader
+    third = _update(ad, 3, _tensors(2), replay=False)
+    assert ad.loader_calls == 6 and third.timings["replayed"] == 0
+
+
+def test_the_plan_is_dropped_when_it_may_not_describe_the_engine():
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    # a failed update (a NaN refused mid-load): dropped, the next one through the loader
+    bad = _tensors(1)
+    bad["k"][0, 0] = float("nan")
+    s = UpdateSession(ad, Manifest.of(bad, 2, "bf16"))
+    with pytest.raises(UpdateRejected, match="k: holds NaN"):
+        s.load(list(bad.items()))
+    assert ad.plan.entries == {}
+    _update(ad, 3, _tensors(2))
+    assert ad.loader_calls == 6 and ad.plan.entries
+    # a parameter rebound to new storage (what storage_stability catches): not replayed into the old one
+    ad.m.qk = torch.nn.Parameter(ad.m.qk.data.clone(), requires_grad=False)
+    assert not ad.plan.valid()
+    new = _tensors(4)
+    s = UpdateSession(ad, Manifest.of(new, 4, "bf16"), digest="full")
+    s.load(list(new.items()))
+    assert ad.loader_calls == 9 and s.timings["replayed"] == 0 and torch.equal(ad.m.qk[:8], new["q"])
+
+
+def test_writes_the_plan_cannot_describe_stay_with_the_loader():
+    class Transposing(FusedAdapter):
+        def _engine_load(self, named):          # 'k' read through a transposing view: not a box of the source
+            for n, t in named:
+                self.loader_calls += 1
+                if n == "k":
+                    self.m.qk.data.narrow(0, 8, 8).copy_(t.as_strided((8, 32), (1, 8)))
+                elif n == "q":
+                    self.m.qk.data.narrow(0, 0, 8).copy_(t)
+                else:
+                    self.m.norm.data.copy_(t)
+    ad = Transposing()
+    _update(ad, 1, _tensors(0))
+    assert "q" in ad.plan.entries and "norm" in ad.plan.entries and "k" not in ad.plan.entries
+    s = _update(ad, 2, _tensors(1))
+    assert s.timings["replayed"] == 2 and ad.loader_calls == 4
+
+
+def test_the_plan_keeps_no_engine_memory_alive():
+    import gc
+    import weakref
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    ref = weakref.ref(ad.m.qk)
+    ad.m.qk = torch.nn.Parameter(torch.zeros(16, 32), requires_grad=False)   # an engine rebuilding the layer
+    gc.collect()
+    assert ref() is None and not ad.plan.valid()
