@@ -35,7 +35,8 @@ from mxfp8_learner_grid.common import format as F
 from mxfp8_learner_grid.common import quantize_rows
 from mxfp8_learner_grid.common.grid_weight import check_data, check_grid_shape, check_scales
 from mxfp8_learner_grid.common.refresh import mark_written
-from mxfp8_learner_grid.common.sync.recorder import content_checked, note_derived_source, note_shard_write
+from mxfp8_learner_grid.common.sync.recorder import content_checked, note_derived_source, note_shard_write, \
+    unrecorded
 from mxfp8_learner_grid.common.wire import WireFormatError
 
 SCALE_SENTINEL = 0xFF   # E8M0 NaN: never a learner scale; marks scales nobody wrote
@@ -117,7 +118,8 @@ def wrap_weight_loader(layer, weight_param: str, scale_param: str, base_loader: 
         if loaded_weight.dtype in HIGH_PRECISION:
             check_grid_shape(label, loaded_weight.shape, whole=False)
             _check_shape(label, loaded_weight, want)
-            q, s = quantize_rows(loaded_weight)
+            with unrecorded():                 # new tensors only: nothing here writes the model
+                q, s = quantize_rows(loaded_weight)
             note_derived_source(q, loaded_weight, "data")
             note_derived_source(s, loaded_weight, "scale")
             out = _call(base_loader, label, param, q, *args, **kwargs)

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import format as F
-from .recorder import UNATTRIBUTED, note_derived_source
+from .recorder import UNATTRIBUTED, note_derived_source, unrecorded
 from .regions import slice_box
 
 
@@ -135,17 +135,21 @@ class WritePlan:
             if e is None or tuple(t.shape) != e.shape or t.dtype != e.dtype:
                 rest.append((name, t))
                 continue
+            with unrecorded():                     # the quantizer and the views write nothing: only the copies
+                if e.quantized:                    # below pass through the recorder (one dispatch per write)
+                    from .. import quantize_rows
+                    q, s = quantize_rows(t)
+                    src = {"data": q, "scale": s}
+                else:
+                    src = {e.writes[0][0]: t}
+                pairs = [(slice_box(self.params[pname][2](), dbox), slice_box(src[role], sbox))
+                         for role, sbox, pname, dbox in e.writes]
             if e.quantized:
-                from .. import quantize_rows
-                q, s = quantize_rows(t)
-                note_derived_source(q, t, "data")
-                note_derived_source(s, t, "scale")
-                src = {"data": q, "scale": s}
-            else:
-                src = {e.writes[0][0]: t}
+                note_derived_source(src["data"], t, "data")
+                note_derived_source(src["scale"], t, "scale")
             with torch.no_grad():
-                for role, sbox, pname, dbox in e.writes:
-                    slice_box(self.params[pname][2](), dbox).copy_(slice_box(src[role], sbox))
+                for dest, part in pairs:
+                    dest.copy_(part)
             layers = [(ref(), param, key) for ref, param, key in e.shards]
             for layer, param, key in layers:
                 count_write(layer, param, key, t)

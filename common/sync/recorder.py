@@ -25,6 +25,7 @@ This is engine-agnostic: it sees tensors, not vLLM or SGLang classes.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -78,6 +79,20 @@ def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) 
         src = rec.source_of(origin)
         if src is not None:
             rec.add_source(derived, src.name, role, checked=src.checked)
+
+
+@contextlib.contextmanager
+def unrecorded():
+    """Run ops that write no parameter -- quantizing a received tensor, making the views a write plan copies
+    between -- without passing each through the active recorders' Python dispatch (tens of microseconds per
+    aten op, most of an update's time on the H200).  Only for our own code that provably writes no
+    parameter: a ``copy_`` into the model under it would go unseen."""
+    if not _ACTIVE:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        yield
 
 
 def note_shard_write(layer, param: str, key, loaded: torch.Tensor) -> None:
