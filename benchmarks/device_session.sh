@@ -55,7 +55,7 @@ case "${1:-kernels}" in
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_humming_band.py 2>&1 | tee "$OUT/gpu_humming_tests.log" | tail -12
     fi
     python3 benchmarks/exp_humming.py --out "$OUT/humming.jsonl" --band-out "$OUT/humming_band.json" ${HUMMING_ARGS:-} \
-      2>&1 | tee "$OUT/humming.log" | grep -E "M=|HUMMING|Error|compiled|off the grid|built|copies" | tail -60
+      2>&1 | tee "$OUT/humming.log" | grep -E "M=|HUMMING|Error|compiled|off the grid|built|copies|^  \[|Thread 0x|File \"" | tail -60
     cp "$OUT/humming_band.json" /tmp/humming_band.json 2>/dev/null || true
     ;;
   w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)

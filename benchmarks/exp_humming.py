@@ -155,6 +155,10 @@ def main():
     ap.add_argument("--band-out", default="", help="write the grid options {humming_rows, humming_tile} where the "
                                                    "best single on-grid tile beats Marlin (summed over the shapes)")
     args = ap.parse_args()
+    import faulthandler
+    # a hang shows where: on the H200 (twelfth session) this script made no progress for ~290 s after humming's
+    # first kernel (37.8 s, cold caches) and printed nothing more; every stack is dumped if it runs this long
+    faulthandler.dump_traceback_later(args.budget_s + 60, repeat=True)
     from bench_fast_path import L2_BYTES, SHAPES, commit, make_layer, time_arms
 
     from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
@@ -180,6 +184,11 @@ def main():
         sys.exit(3)
     print(f"humming {meta['humming']}: first kernel built and ran in {time.time() - t0:.1f} s", flush=True)
     out.write(json.dumps(dict(meta, arm="probe", ok=True, first_kernel_s=round(time.time() - t0, 1))) + "\n")
+    out.flush()
+
+    def step(what):
+        torch.cuda.synchronize()
+        print(f"  [{time.time() - t0:6.1f} s] {what}", flush=True)
     total: dict = {}
     for sname in args.shapes.split(","):
         n, k = SHAPES[sname]
@@ -188,10 +197,16 @@ def main():
         for i in range(copies):
             gg = torch.Generator(device="cuda").manual_seed(i)
             raw.append(quantize_rows(torch.randn(n, k, device="cuda", generator=gg) * 0.02))
+        step(f"{sname}: {copies} weight copies quantized")
         wb = [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
+        step(f"{sname}: dequantized")
         t1 = time.time()
-        hums = [humming_layer(q, s) for q, s in raw]
+        hums = [humming_layer(q, s) for q, s in raw[:1]]
+        step(f"{sname}: first humming layer (its repack kernel)")
+        hums += [humming_layer(q, s) for q, s in raw[1:]]
+        step(f"{sname}: humming layers")
         lays = [] if args.no_marlin else [make_layer(n, k, i, 1 << 30) for i in range(copies)]
+        step(f"{sname}: Marlin layers")
         adv_q, adv_s = adversarial_weights(n, k, 7)
         adv = humming_layer(adv_q, adv_s)
         ms = list(map(int, args.ms.split(",")))
