@@ -189,11 +189,12 @@ class HummingBand:
         if not hasattr(layer, self.NAMES[0]):
             # compile + load first: a machine where humming's JIT cannot build (no g++, no CUDA 13 headers)
             # serves the layer without the band, the reason in the kernel's log line, instead of failing the load
-            why = _prepare(layer_config(n, k), json.dumps(tuning_table(*self.band, self.tile)))
+            layer_cfg, tuning = layer_config(n, k), json.dumps(tuning_table(*self.band, self.tile))
+            why = _prepare(layer_cfg, tuning)
             if why:
                 self.band, self.why = (0, 0), why
                 return
-            self.layer_cfg, self.tuning = layer_config(n, k), json.dumps(tuning_table(*self.band, self.tile))
+            self.layer_cfg, self.tuning = layer_cfg, tuning
             kernel.register_derived_buffer(layer, self.NAMES[0], humming_weight(layer.weight))
             kernel.register_derived_buffer(layer, self.NAMES[1], _scale_e8m0(layer))
             kernel.register_derived_buffer(layer, "grid_humming_locks",

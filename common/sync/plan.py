@@ -2,9 +2,9 @@
 
 An engine's ``load_weights`` walks its module tree for every tensor of every update -- name mapping,
 q/k/v and gate/up offsets, TP narrowing, expert ids -- and does the same thing each time the same
-tensor (name, shape, dtype) arrives.  On the H200 that walk and its bookkeeping were most of an
-update's time on the rank (BENCHMARKS.md).  So after an update that passed every check and was
-committed, the rank keeps, per learner tensor:
+tensor (name, shape, dtype) arrives.  (On the H200 the walk itself turned out to be a small part of an
+update's time: replay saved 25 ms of the mxfp8 loaders' 0.18 s, BENCHMARKS.md, twelfth session.)  So
+after an update that passed every check and was committed, the rank keeps, per learner tensor:
 
 * its writes as the recorder saw them: (role, box in the source, parameter, box in the parameter),
   the source being the tensor itself or the grid bytes our loaders quantized it into (``quantized``:
@@ -35,6 +35,8 @@ from typing import Callable, Optional
 import torch
 
 from .. import format as F
+from ..loading import HIGH_PRECISION, _expert_of, count_write
+from ..refresh import mark_written
 from .recorder import UNATTRIBUTED, note_derived_source, unrecorded
 from .regions import slice_box
 
@@ -94,8 +96,7 @@ class WritePlan:
         if not writes or any(w.src_box is None or w.dest_box is None or w.param not in live for w in writes):
             return None
         roles = {w.role for w in writes}
-        high = dtype in (torch.bfloat16, torch.float16, torch.float32)
-        quantized = high and roles <= {"data", "scale"}
+        quantized = dtype in HIGH_PRECISION and roles <= {"data", "scale"}
         if quantized:
             want = {"data": shape, "scale": (*shape[:-1], shape[-1] // F.BLOCK_SIZE)}
             if len(shape) < 1 or shape[-1] % F.BLOCK_SIZE or any(tuple(w.src_shape or ()) != want[w.role]
@@ -123,8 +124,6 @@ class WritePlan:
     def load(self, named: list, engine_load: Callable[[list], None]) -> None:
         """Write ``named`` [(learner name, tensor)]: tensors the plan describes (same name, shape, dtype) by
         replay, the rest through ``engine_load`` (the engine's own loader), in one call."""
-        from ..loading import count_write
-        from ..refresh import mark_written
         named = list(named)
         self.replayed = 0
         if self.entries and not self.valid():
@@ -153,13 +152,9 @@ class WritePlan:
             layers = [(ref(), param, key) for ref, param, key in e.shards]
             for layer, param, key in layers:
                 count_write(layer, param, key, t)
-            for layer, expert in {(id(layer), _expert(key)): (layer, _expert(key)) for layer, _, key in layers}.values():
+            for layer, expert in {(id(layer), _expert_of(key)): (layer, _expert_of(key))
+                                  for layer, _, key in layers}.values():
                 mark_written(layer, expert)
             self.replayed += 1
         if rest:
             engine_load(rest)
-
-
-def _expert(key):
-    from ..loading import _expert_of
-    return _expert_of(key)
