@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one H200 lease runs (see BENCHMARKS.md).  Usage on the device, from the repo root:
-#   bash benchmarks/device_session.sh gpu            # every GPU test (tests/gpu)
+#   bash benchmarks/device_session.sh gpu            # every GPU test (tests/gpu; GPU_TEST_ARGS: other pytest arguments)
 #   bash benchmarks/device_session.sh w8a16p         # experiment: W8A16 with per-32 FP32 promotion vs Marlin / W8A16 / BF16
 #   HUMMING_ENV=1 bash benchmarks/device_session.sh humming   # humming band: GPU tests + exp_humming.py -> /tmp/humming_band.json
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
@@ -46,7 +46,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 case "${1:-kernels}" in
   gpu)    # every GPU test
-    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+    python3 -m pytest -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
     ;;
   humming) # humming-kernels' W8A16 wgmma GEMM, stream-K off (option humming_rows): its GPU tests, then the experiment
     #        (exactness per config, then time against BF16 and Marlin); writes /tmp/humming_band.json for `e2e ... grid+`
