@@ -175,8 +175,11 @@ def main():
     try:
         import humming
         meta["humming"] = getattr(humming, "__version__", "?")
-        probe = humming_layer(*quantize_rows(torch.randn(256, 256, device="cuda") * 0.02))
-        run(probe, torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), tile_config(16, 64, 64))
+        # the probe is a shape the GPU tests run exact (1024 x 4096, M = 16), synchronized: a 256 x 256 probe with
+        # tile (64, 64) was followed by a hang in the next Triton module load, twice (eleventh, thirteenth session)
+        probe = humming_layer(*quantize_rows(torch.randn(1024, 4096, device="cuda") * 0.02))
+        run(probe, torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16), tile_config(16, 128, 64))
+        torch.cuda.synchronize()
     except Exception as exc:
         traceback.print_exc()
         print(f"HUMMING_UNAVAILABLE {type(exc).__name__}: {str(exc)[:2000]}", flush=True)

@@ -49,6 +49,13 @@ q2, s2 = quantize_rows(torch.randn(6144, 4096, device="cuda") * 0.03); torch.cud
 h = humming_layer(q, s); torch.cuda.synchronize(); step("humming layer 6144x4096")
 run(h, torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), configs(h, 64)["bn128k64"]); torch.cuda.synchronize(); step("ran")
 """,
+    "probe256_sync": """
+from exp_humming import humming_layer, tile_config, run
+from mxfp8_learner_grid.common import quantize_rows
+p = humming_layer(*quantize_rows(torch.randn(256, 256, device="cuda") * 0.02)); torch.cuda.synchronize(); step("probe layer")
+run(p, torch.randn(16, 256, device="cuda", dtype=torch.bfloat16), tile_config(16, 64, 64)); step("probe launched")
+torch.cuda.synchronize(); step("probe finished on the GPU")
+""",
     "exp_steps": """
 from exp_humming import humming_layer, tile_config, run, configs, precompile
 from mxfp8_learner_grid.common import quantize_rows
