@@ -54,8 +54,11 @@ case "${1:-kernels}" in
     if [ "${HUMMING_TESTS:-1}" != 0 ]; then
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_humming_band.py 2>&1 | tee "$OUT/gpu_humming_tests.log" | tail -12
     fi
-    python3 benchmarks/exp_humming.py --out "$OUT/humming.jsonl" --band-out "$OUT/humming_band.json" ${HUMMING_ARGS:-} \
-      2>&1 | tee "$OUT/humming.log" | grep -E "M=|HUMMING|Error|compiled|off the grid|built|copies|^  \[|Thread 0x|File \"" | tail -60
+    # line by line, no `tail`: a call cut off at its limit kills a buffering tail before it prints (thirteenth
+    # session: nothing came back); HUMMING_TIMEOUT ends the experiment first, its stacks dumped past --budget-s + 60
+    timeout "${HUMMING_TIMEOUT:-500}" python3 benchmarks/exp_humming.py --out "$OUT/humming.jsonl" \
+      --band-out "$OUT/humming_band.json" ${HUMMING_ARGS:-} 2>&1 | tee "$OUT/humming.log" \
+      | grep --line-buffered -E "M=|HUMMING|Error|compiled|off the grid|built|copies|^  \[|Thread 0x|File \""
     cp "$OUT/humming_band.json" /tmp/humming_band.json 2>/dev/null || true
     ;;
   w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)
@@ -203,7 +206,7 @@ case "${1:-kernels}" in
     echo "arms: $arms; grid+ options: $opts"
     python3 benchmarks/bench_e2e.py --shape "${2:-qwen3-8b}" --arms "$arms" --conc "${4:-1,16,64}" \
       --grid-options "$opts" --reps "${REPS:-3}" --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-h200.jsonl" 2>&1 \
-      | grep -v " INFO \| WARNING \|^\s*$" | tail -40
+      | tee "$OUT/e2e.log" | grep --line-buffered -v " INFO \| WARNING \|^\s*$"
     ;;
   linear)
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8

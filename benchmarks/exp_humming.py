@@ -97,6 +97,18 @@ def run(lay, xg, tuning, compute=COMPUTE_ON_GRID):
     return lay(xg, compute_config=json.dumps(compute), tuning_config=json.dumps(tuning) if tuning else None)
 
 
+def finished(limit_s: float) -> bool:
+    """Whether the work queued so far finishes within limit_s (an event polled: a hung kernel cannot block us)."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t = time.time()
+    while not ev.query():
+        if time.time() - t > limit_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def grid_operands(x, q, s):
     from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
     return dequantize_blocks(*quantize_rows(x)), dequantize_blocks(q, s)
@@ -179,7 +191,11 @@ def main():
         # tile (64, 64) was followed by a hang in the next Triton module load, twice (eleventh, thirteenth session)
         probe = humming_layer(*quantize_rows(torch.randn(1024, 4096, device="cuda") * 0.02))
         run(probe, torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16), tile_config(16, 128, 64))
-        torch.cuda.synchronize()
+        if not finished(30.0):
+            print("HUMMING_PROBE_HANG: the 1024 x 4096 probe did not finish 30 s after launch", flush=True)
+            out.write(json.dumps(dict(meta, arm="probe", ok=False, error="HANG")) + "\n")
+            out.close()
+            os._exit(4)
     except Exception as exc:
         traceback.print_exc()
         print(f"HUMMING_UNAVAILABLE {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
@@ -237,8 +253,15 @@ def main():
                 compute = COMPUTE_DEFAULT if cfg is None else COMPUTE_ON_GRID
                 row = dict(meta, shape=sname, n=n, k=k, m=m, arm="humming:" + name, config=cfg, kind="check")
                 try:
-                    y, y2 = run(hums[0], xg, cfg, compute), run(hums[0], xg, cfg, compute)
-                    ya = run(adv, xg_adv, cfg, compute)
+                    y = run(hums[0], xg, cfg, compute)
+                    if not finished(20.0):
+                        # a kernel that never ends (the 256 x 256 probe of the thirteenth session): say which, keep the rows
+                        row["error"] = "HANG: not finished 20 s after launch"
+                        print(f"{sname} M={m} humming:{name}: {row['error']} {cfg}", flush=True)
+                        out.write(json.dumps(row) + "\n")
+                        out.close()
+                        os._exit(4)
+                    y2, ya = run(hums[0], xg, cfg, compute), run(adv, xg_adv, cfg, compute)
                     row["model_weights"] = check(y, *ops_model, y2)
                     row["adversarial"] = check(ya, *ops_adv)
                 except Exception as exc:
