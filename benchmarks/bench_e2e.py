@@ -140,6 +140,8 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                     rec["reps"] = g["reps"]
                 if arm == "grid+" and grid_options:
                     rec["options"] = grid_options
+                if kernels:
+                    rec["kernels"] = kernels[:6]
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 rows[(arm, g["conc"])] = rec

@@ -3,6 +3,8 @@
 #   bash benchmarks/sglang_session.sh serve MODELS_DIR   # tiny dense + MoE served with the plugin, logprobs vs the learner
 #   bash benchmarks/sglang_session.sh layers             # per-layer exactness inside SGLang's model runner (8B / 30B shapes, 2 layers)
 #   bash benchmarks/sglang_session.sh e2e SHAPE [ARMS] [CONC] [GRID_OPTIONS]   # tokens/s, grid vs bf16 (REPS=2)
+#   bash benchmarks/sglang_session.sh gpu                # GPU tests under SGLang's env (GPU_TEST_ARGS; default: the Marlin
+#                                                       #   fast path, with MXFP8_GRID_VLLM_OPS set: vllm_ops_env.sh)
 #   bash benchmarks/sglang_session.sh update [KINDS]    # in-place updates + faults through the client (KINDS: "dense moe";
 #                                                       #   UPDATE_TIMEOUT=400 for the MoE model)
 # Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
@@ -16,7 +18,12 @@ if [ ! -d /tmp/grid/mxfp8_learner_grid ]; then
     || { cat "$OUT/install.log"; exit 2; }
 fi
 export PYTHONPATH=/tmp/grid:tests/gpu:$PYTHONPATH
+[ -n "${MXFP8_GRID_VLLM_OPS:-}" ] && echo "[sglang_session] vLLM's compiled Marlin ops from $MXFP8_GRID_VLLM_OPS"
 case "${1:-serve}" in
+  gpu)
+    python3 -m pytest ${GPU_TEST_ARGS:-tests/gpu/test_fast_path.py -q} -p no:cacheprovider 2>&1 | tee "$OUT/gpu-sglang.log" \
+      | grep -E "passed|failed|error|Error|SKIP" | tail -15
+    ;;
   serve)
     for m in dense moe; do
       for dt in bfloat16; do          # float32: sgl_kernel's rmsnorm has no fp32 kernel (seen on the H200)

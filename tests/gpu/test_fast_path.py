@@ -1,6 +1,10 @@
 """The fast path (activation qdq + vLLM's MXFP8 Marlin; dequantize + cuBLAS for prefill) is the grid.
 
-Needs a CUDA GPU (sm_89+) and vLLM's CUDA build (its Marlin ops); skipped otherwise.
+Needs a CUDA GPU (sm_89+) and vLLM's compiled Marlin ops; skipped otherwise.  In vLLM's environment
+the ops are vLLM's own (``vllm._custom_ops``); elsewhere (SGLang's) they are vLLM's two extension
+libraries loaded alone, as the SGLang plugin loads them (``vllm_plugin/marlin_ops.py``: a vLLM wheel
+installed without its dependencies, or ``$MXFP8_GRID_VLLM_OPS``).  The tests that compare with
+vLLM's Python helpers skip without vLLM's Python.
 
 Exactness, as the issue defines it: outputs in bf16 compared with the exact result (float64
 sum of the exact grid products) rounded once to bf16.  FP32 summation order may move an
@@ -14,8 +18,6 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-vllm_ops = pytest.importorskip("vllm._custom_ops") if torch.cuda.is_available() else None
-
 from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec, choose, providers  # noqa: E402
 from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_scales  # noqa: E402
@@ -24,15 +26,67 @@ from .grid_checks import bf16_ulps, check_fp32_accumulation, exact_bf16, graph_t
     x_grid  # noqa: E402,F401
 
 
+def _vllm_python() -> bool:
+    try:
+        import vllm._custom_ops  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
 @pytest.fixture(scope="module", autouse=True)
 def marlin_provider():
-    from mxfp8_learner_grid.vllm_plugin import compat
-    compat.register_kernel_providers()
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if _vllm_python():
+        from mxfp8_learner_grid.vllm_plugin import compat
+        compat.register_kernel_providers()
+    else:
+        from mxfp8_learner_grid.vllm_plugin.marlin_ops import compiled_marlin_ops, vllm_ops_dir
+        if vllm_ops_dir() is None:
+            pytest.skip("neither vLLM nor its compiled ops ($MXFP8_GRID_VLLM_OPS) are installed")
+        ops, why = compiled_marlin_ops()
+        assert ops is not None, why                      # the libraries are there: they must load
+        providers.register("marlin", ops)
     if providers.get("marlin") is None:
         pytest.skip("vLLM's Marlin ops are not available")
 
 
+def test_the_provider_is_vllms_compiled_marlin_with_moe():
+    from mxfp8_learner_grid.vllm_plugin.marlin_ops import MarlinMoEOps
+    assert isinstance(providers.get("marlin"), MarlinMoEOps)
+
+
+@pytest.mark.parametrize("m,topk,e,ep", [(3, 8, 128, False), (64, 8, 128, True), (4096, 8, 128, False),
+                                         (2, 2, 8, True)])
+def test_moe_align_equals_vllms_python_helper(m, topk, e, ep):
+    """``MarlinMoEOps.moe_align`` (the raw op, sized as vLLM's helper sizes it) gives vLLM's own
+    ``moe_align_block_size(..., ignore_invalid_experts=True)``, up to the atomics' slot order."""
+    if not _vllm_python():
+        pytest.skip("vLLM's Python is not importable here")
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m, deterministic_order
+    g = torch.Generator(device="cuda").manual_seed(m)
+    e_global = 2 * e if ep else e
+    ids = torch.topk(torch.randn(m, e_global, device="cuda", generator=g), topk).indices.to(torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    bs = block_size_m(m, topk, e, e_global)
+    ours = providers.get("marlin").moe_align(ids, bs, e_global, emap)
+    theirs = moe_align_block_size(ids, bs, e_global, emap, ignore_invalid_experts=True)
+    assert [t.shape for t in ours] == [t.shape for t in theirs]
+    n = int(theirs[2])
+    assert int(ours[2]) == n
+    assert torch.equal(deterministic_order(ours[0], ours[1], bs, ids.numel())[:n],
+                       deterministic_order(theirs[0], theirs[1], bs, ids.numel())[:n])
+    assert torch.equal(ours[1][:n // bs], theirs[1][:n // bs])
+
+
 def test_scale_permutation_equals_vllms():
+    if not _vllm_python():
+        pytest.skip("vLLM's Python is not importable here")
     from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import mxfp8_marlin_process_scales
     n, k = 6144, 4096

@@ -87,3 +87,36 @@ def test_fallback_launcher_registers_then_delegates():
             args=["--help"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--quantization" in r.stdout and NAME in r.stdout
+
+
+def test_vllms_compiled_marlin_is_the_provider_where_its_libraries_load(monkeypatch, caplog):
+    """Kernel providers beside SGLang (``compat.register_kernel_providers``): the ops
+    ``vllm_plugin.marlin_ops`` loaded are registered once; where they do not load, a warning
+    names why and the chooser keeps the project's Triton kernels.  (The ops themselves run in
+    ``tests/gpu/test_fast_path.py`` under SGLang's environment on the GPU.)"""
+    import logging
+
+    import torch
+    from mxfp8_learner_grid.common.grid_kernels import providers
+    from mxfp8_learner_grid.sglang_plugin import compat
+    from mxfp8_learner_grid.vllm_plugin import marlin_ops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compat, "_providers_tried", False)
+    monkeypatch.setattr(marlin_ops, "load_compiled_ops", lambda where=None: (False, False, "nothing in /x"))
+    providers.unregister("marlin")
+    with caplog.at_level(logging.WARNING, logger="mxfp8_learner_grid"):
+        compat.register_kernel_providers()
+    assert providers.get("marlin") is None
+    assert any("no MXFP8 Marlin beside SGLang (nothing in /x)" in r.getMessage() for r in caplog.records)
+
+    monkeypatch.setattr(compat, "_providers_tried", False)
+    monkeypatch.setattr(marlin_ops, "load_compiled_ops", lambda where=None: (True, True, "loaded /x/_C"))
+    try:
+        compat.register_kernel_providers()
+        assert isinstance(providers.get("marlin"), marlin_ops.MarlinMoEOps)
+        first = providers.get("marlin")
+        compat.register_kernel_providers()
+        assert providers.get("marlin") is first
+    finally:
+        providers.unregister("marlin")
