@@ -168,9 +168,9 @@ __all__ = [
 
 
 def register_kernel_providers() -> None:
-    """SGLang ships no MXFP8 GEMM for Hopper.  Where vLLM's compiled Marlin libraries are installed
-    beside SGLang (``pip install --no-deps vllm==0.26.0``, or a directory in ``$MXFP8_GRID_VLLM_OPS``),
-    load them without importing vLLM's Python and hand the ops to ``common.grid_kernels``
+    """SGLang ships no MXFP8 GEMM for Hopper.  Where vLLM's compiled Marlin libraries are there (a
+    directory in ``$MXFP8_GRID_VLLM_OPS`` holding the two files of a vLLM 0.26.0 wheel, or an installed
+    vLLM), load them without importing vLLM's Python and hand the ops to ``common.grid_kernels``
     (``vllm_plugin/marlin_ops.py``); otherwise the chooser falls back to the project's Triton
     kernels on CUDA and the reference on CPU.  Called once per layer; loads once."""
     from mxfp8_learner_grid.common.grid_kernels import providers

@@ -8,9 +8,11 @@ against libtorch's stable ABI and link nothing of vLLM, so:
 
 * the vLLM plugin uses them as vLLM loaded them (``vllm._custom_ops``, which also registers their
   fake implementations for torch.compile);
-* the SGLang plugin loads the two libraries from an installed vLLM wheel (``pip install --no-deps
-  vllm==0.26.0`` beside SGLang is enough; vLLM's Python package is never imported) with
-  :func:`load_compiled_ops`.  SGLang 0.5.17 ships no MXFP8 GEMM for Hopper.
+* the SGLang plugin loads the two libraries alone with :func:`load_compiled_ops`, from the directory
+  named by ``$MXFP8_GRID_VLLM_OPS`` (the two files unzipped from a vLLM 0.26.0 wheel), else from an
+  installed ``vllm`` package's directory, found without importing it.  SGLang 0.5.17 ships no MXFP8
+  GEMM for Hopper.  (A vLLM installed with ``--no-deps`` beside SGLang is not recommended: SGLang
+  tries ``import vllm`` in places, and vLLM's import sets process-wide torch options.)
 
 Each op's argument list is checked against the one read in vLLM 0.26.0's source
 (:data:`SCHEMAS`); a build whose ops differ is refused, named, and the chooser falls back to

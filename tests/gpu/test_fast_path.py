@@ -2,8 +2,8 @@
 
 Needs a CUDA GPU (sm_89+) and vLLM's compiled Marlin ops; skipped otherwise.  In vLLM's environment
 the ops are vLLM's own (``vllm._custom_ops``); elsewhere (SGLang's) they are vLLM's two extension
-libraries loaded alone, as the SGLang plugin loads them (``vllm_plugin/marlin_ops.py``: a vLLM wheel
-installed without its dependencies, or ``$MXFP8_GRID_VLLM_OPS``).  The tests that compare with
+libraries loaded alone, as the SGLang plugin loads them (``vllm_plugin/marlin_ops.py``, from
+``$MXFP8_GRID_VLLM_OPS``).  The tests that compare with
 vLLM's Python helpers skip without vLLM's Python.
 
 Exactness, as the issue defines it: outputs in bf16 compared with the exact result (float64
