@@ -57,6 +57,20 @@ def test_the_provider_is_vllms_compiled_marlin_with_moe():
     assert isinstance(providers.get("marlin"), MarlinMoEOps)
 
 
+def _routing(m, topk, e, ep):
+    """Top-k ids of m tokens over e local experts (2e global with expert parallel: this rank holds the
+    second half), the expert map, the global count and Marlin MoE's token block."""
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m
+    g = torch.Generator(device="cuda").manual_seed(m)
+    e_global = 2 * e if ep else e
+    ids = torch.topk(torch.randn(m, e_global, device="cuda", generator=g), topk).indices.to(torch.int32)
+    emap = None
+    if ep:
+        emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    return ids, emap, e_global, block_size_m(m, topk, e, e_global)
+
+
 @pytest.mark.parametrize("m,topk,e,ep", [(3, 8, 128, False), (64, 8, 128, True), (4096, 8, 128, False),
                                          (2, 2, 8, True)])
 def test_moe_align_equals_vllms_python_helper(m, topk, e, ep):
@@ -65,15 +79,8 @@ def test_moe_align_equals_vllms_python_helper(m, topk, e, ep):
     if not _vllm_python():
         pytest.skip("vLLM's Python is not importable here")
     from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m, deterministic_order
-    g = torch.Generator(device="cuda").manual_seed(m)
-    e_global = 2 * e if ep else e
-    ids = torch.topk(torch.randn(m, e_global, device="cuda", generator=g), topk).indices.to(torch.int32)
-    emap = None
-    if ep:
-        emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
-        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
-    bs = block_size_m(m, topk, e, e_global)
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import deterministic_order
+    ids, emap, e_global, bs = _routing(m, topk, e, ep)
     ours = providers.get("marlin").moe_align(ids, bs, e_global, emap)
     theirs = moe_align_block_size(ids, bs, e_global, emap, ignore_invalid_experts=True)
     assert [t.shape for t in ours] == [t.shape for t in theirs]
@@ -373,17 +380,10 @@ def test_a_stale_packed_copy_is_caught_by_the_derived_state_check():
 @pytest.mark.parametrize("m,topk,e,ep", [(1, 8, 128, False), (16, 8, 128, False), (64, 8, 128, True),
                                          (256, 8, 128, False), (7, 2, 8, False), (300, 4, 16, True)])
 def test_moe_align_equals_vllms_align_reordered(m, topk, e, ep):
-    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import block_size_m, deterministic_order
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import deterministic_order
     from mxfp8_learner_grid.common.kernels.moe_triton import moe_align
     ops = providers.get("marlin")
-    g = torch.Generator(device="cuda").manual_seed(m)
-    e_global = 2 * e if ep else e
-    ids = torch.topk(torch.randn(m, e_global, device="cuda", generator=g), topk).indices.to(torch.int32)
-    emap = None
-    if ep:
-        emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
-        emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
-    bs = block_size_m(m, topk, e, e_global)
+    ids, emap, e_global, bs = _routing(m, topk, e, ep)
     s, eb, nt = moe_align(ids, bs, e_global, e, emap)
     vs, veb, vnt = ops.moe_align(ids, bs, e_global, emap)
     vs = deterministic_order(vs, veb, bs, ids.numel())
