@@ -1,7 +1,8 @@
 """Kernels an engine ships, handed to ``common`` as plain callables (``common`` imports no engine).
 
-The vLLM plugin registers vLLM's MXFP8 Marlin ops here (``vllm_plugin/compat.py``); the
-SGLang plugin registers them too when vLLM's ops are importable beside SGLang.  A kernel
+Both plugins register vLLM's MXFP8 Marlin ops here (``vllm_plugin/marlin_ops.py``): the vLLM
+plugin as vLLM loaded them, the SGLang plugin where vLLM's two compiled libraries are there
+(``$MXFP8_GRID_VLLM_OPS``, or an installed vLLM), loaded without vLLM's Python.  A kernel
 that needs a provider declares it in ``is_supported``; without it the chooser moves on.
 """
 
