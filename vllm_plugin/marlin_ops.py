@@ -24,10 +24,13 @@ FP32 global reduction and no atomic adds: the grid needs FP32 accumulation and a
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Optional
 
 import torch
+
+_log = logging.getLogger("mxfp8_learner_grid")
 
 #: a directory holding vLLM's extension libraries (default: the installed ``vllm`` package's)
 OPS_DIR_ENV = "MXFP8_GRID_VLLM_OPS"
@@ -181,3 +184,26 @@ def compiled_marlin_ops(where: Optional[str] = None) -> tuple[Optional[MarlinOps
     if not dense:
         return None, why
     return (MarlinMoEOps() if moe else MarlinOps()), why
+
+
+_tried = False
+
+
+def register_provider(engine: str) -> None:
+    """Hand the ops to ``common.grid_kernels`` (provider ``marlin``), once per process: both plugins
+    call this for every on-grid layer they process.  Where they cannot be loaded on a CUDA device,
+    one warning names why and the chooser keeps the project's Triton kernels."""
+    global _tried
+    from mxfp8_learner_grid.common.grid_kernels import providers
+    if providers.get("marlin") is not None or _tried:
+        return
+    _tried = True
+    ops, why = compiled_marlin_ops()
+    if ops is None:
+        if torch.cuda.is_available():
+            _log.warning("mxfp8-learner-grid: no MXFP8 Marlin in %s (%s); the grid runs the project's Triton kernels",
+                         engine, why)
+        return
+    _log.info("mxfp8-learner-grid: vLLM's MXFP8 Marlin ops in %s (%s%s)", engine, why,
+              "" if isinstance(ops, MarlinMoEOps) else "; dense only")
+    providers.register("marlin", ops)

@@ -90,8 +90,8 @@ def test_fallback_launcher_registers_then_delegates():
 
 
 def test_vllms_compiled_marlin_is_the_provider_where_its_libraries_load(monkeypatch, caplog):
-    """Kernel providers beside SGLang (``compat.register_kernel_providers``): the ops
-    ``vllm_plugin.marlin_ops`` loaded are registered once; where they do not load, a warning
+    """Kernel providers beside SGLang (``compat.register_kernel_providers`` ->
+    ``marlin_ops.register_provider``): the ops ``vllm_plugin.marlin_ops`` loaded are registered once; where they do not load, a warning
     names why and the chooser keeps the project's Triton kernels.  (The ops themselves run in
     ``tests/gpu/test_fast_path.py`` under SGLang's environment on the GPU.)"""
     import logging
@@ -102,15 +102,15 @@ def test_vllms_compiled_marlin_is_the_provider_where_its_libraries_load(monkeypa
     from mxfp8_learner_grid.vllm_plugin import marlin_ops
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(compat, "_providers_tried", False)
+    monkeypatch.setattr(marlin_ops, "_tried", False)
     monkeypatch.setattr(marlin_ops, "load_compiled_ops", lambda where=None: (False, False, "nothing in /x"))
     providers.unregister("marlin")
     with caplog.at_level(logging.WARNING, logger="mxfp8_learner_grid"):
         compat.register_kernel_providers()
     assert providers.get("marlin") is None
-    assert any("no MXFP8 Marlin beside SGLang (nothing in /x)" in r.getMessage() for r in caplog.records)
+    assert any("no MXFP8 Marlin in SGLang (nothing in /x)" in r.getMessage() for r in caplog.records)
 
-    monkeypatch.setattr(compat, "_providers_tried", False)
+    monkeypatch.setattr(marlin_ops, "_tried", False)
     monkeypatch.setattr(marlin_ops, "load_compiled_ops", lambda where=None: (True, True, "loaded /x/_C"))
     try:
         compat.register_kernel_providers()
