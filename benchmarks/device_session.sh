@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What one H200 lease runs (see BENCHMARKS.md).  Usage on the device, from the repo root:
 #   bash benchmarks/device_session.sh gpu            # every GPU test (tests/gpu; GPU_TEST_ARGS: other pytest arguments)
+#   bash benchmarks/device_session.sh tiles          # experiment: Marlin MoE's block size / tiles / blocks_per_sm, for the
+#        30B experts and for the 8B projections as one expert (benchmarks/exp_marlin_tiles.py; TILES_ARGS)
 #   bash benchmarks/device_session.sh w8a16p         # experiment: W8A16 with per-32 FP32 promotion vs Marlin / W8A16 / BF16
 #   HUMMING_ENV=1 bash benchmarks/device_session.sh humming   # humming band: GPU tests + exp_humming.py -> /tmp/humming_band.json
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
@@ -60,6 +62,12 @@ case "${1:-kernels}" in
       --band-out "$OUT/humming_band.json" ${HUMMING_ARGS:-} 2>&1 | tee "$OUT/humming.log" \
       | grep --line-buffered -E "M=|HUMMING|Error|compiled|off the grid|built|copies|^  \[|Thread 0x|File \""
     cp "$OUT/humming_band.json" /tmp/humming_band.json 2>/dev/null || true
+    ;;
+  tiles)  # experiment: Marlin MoE's launch knobs (benchmarks/exp_marlin_tiles.py), line by line (no tail: see humming)
+    #        (writes the rows that beat Marlin's own launch to /tmp/tiles_table.json, for `e2e ... grid+ ... FILE`)
+    python3 benchmarks/exp_marlin_tiles.py --out "$OUT/tiles.jsonl" --table-out "$OUT/tiles_table.json" \
+      ${TILES_ARGS:-} 2>&1 | tee "$OUT/tiles.log" | grep --line-buffered -E "base|best|budget|Error|vLLM's block|bf16 |TILES"
+    cp "$OUT/tiles_table.json" "/tmp/tiles_table_${TILES_TAG:-all}.json" 2>/dev/null || true
     ;;
   w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)
     python3 benchmarks/exp_w8a16_promote.py --out "$OUT/w8a16p.jsonl" ${W8A16P_ARGS:-} 2>&1 | tee "$OUT/w8a16p.log" \

@@ -19,6 +19,9 @@ Keys (all optional)::
     humming_tile: [128, 64]                                     # its (BLOCK_N, BLOCK_K) (grid_kernels/humming.py)
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0)
+    marlin_configs: [[n, k, lo, hi, block, tk, tn, bps], ...]   # Marlin MoE's launch knobs per GEMM shape and rows
+                                                                # lo <= M < hi (dense layers: run as one expert);
+                                                                # grid_kernels/marlin_launch.py (off: [])
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     router_dtype: float32                                       # MoE router logits in FP32 (Megatron's
                                                                 # moe_router_dtype=fp32; default: model dtype)
@@ -44,7 +47,7 @@ KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_vers
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
                         "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots", "humming_rows",
-                        "humming_tile"})
+                        "humming_tile", "marlin_configs"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -92,6 +95,8 @@ class GridOptions:
         if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MOE_GEMV_MAX_SLOTS:
             raise ValueError(f"moe_gemv_slots must be an integer in 0 ... {MOE_GEMV_MAX_SLOTS} (routed slots; 0: off); "
                              f"got {slots!r}")
+        from .grid_kernels.marlin_launch import parse_rows
+        parse_rows(self.raw.get("marlin_configs"))
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:

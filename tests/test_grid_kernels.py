@@ -366,3 +366,72 @@ def test_gemv_rows_option():
     for bad in (-1, True, "16", 65, 4.5):
         with pytest.raises(ValueError, match="gemv_rows"):
             GridOptions.from_dict({"gemv_rows": bad})
+
+
+def test_marlin_configs_option():
+    """marlin_configs: rows of [n, k, lo, hi, block, thread_k, thread_n, blocks_per_sm], parsed once, each
+    wrong row named; the rows of one shape flattened per layer and looked up by M."""
+    from mxfp8_learner_grid.common.grid_kernels import marlin_launch as L
+    from mxfp8_learner_grid.common.options import GridOptions
+    rows = [[6144, 4096, 33, 65, 64, 128, 128, 2], [6144, 4096, 1, 33, 32, -1, -1, -1],
+            [1536, 2048, 1, 2, 8, 64, 256, 1]]
+    assert GridOptions.from_dict({"marlin_configs": rows}).raw["marlin_configs"] == rows
+    GridOptions.from_dict({"marlin_configs": []})
+    for bad, what in (("6144", "list of rows"), ([[6144, 4096, 1, 33, 32, -1, -1]], "8 integers"),
+                      ([[6144, 4096, 33, 33, 32, -1, -1, -1]], "lo < hi"), ([[6144, 4096, 1, 33, 24, -1, -1, -1]],
+                                                                            "block must be"),
+                      ([[6144, 4096, 1, 33, 32, 256, 64, -1]], "thread_k, thread_n"),
+                      ([[6144, 4096, 1, 33, 32, -1, -1, 5]], "blocks_per_sm"),
+                      ([[6144, 4096, 1, 33, 32, -1, -1, True]], "8 integers"),
+                      ([[6144, 4096, 1, 33, 32, -1, -1, -1], [6144, 4096, 32, 40, 64, -1, -1, -1]], "overlap")):
+        with pytest.raises(ValueError, match="marlin_configs.*" + what.replace("(", r"\(").replace(")", r"\)")):
+            GridOptions.from_dict({"marlin_configs": bad})
+    flat = L.rows_for({"marlin_configs": rows}, 6144, 4096)
+    assert flat == [33, 65, 64, 128, 128, 2, 1, 33, 32, -1, -1, -1]
+    assert L.lookup(flat, 1) == (32, -1, -1, -1) and L.lookup(flat, 32) == (32, -1, -1, -1)
+    assert L.lookup(flat, 33) == (64, 128, 128, 2) and L.lookup(flat, 64) == (64, 128, 128, 2)
+    assert L.lookup(flat, 65) is None and L.lookup([], 8) is None and L.lookup(None, 8) is None
+    assert L.rows_for({}, 6144, 4096) == [] and L.rows_for({"marlin_configs": rows}, 4096, 4096) == []
+
+
+def test_one_expert_routing_views():
+    """A dense layer as one expert: the alignment is views of constant buffers (no launch), sorted ids
+    0 ... padded-1 whose entries >= M are the padding Marlin skips, the padded count read from the arange."""
+    from mxfp8_learner_grid.common.grid_kernels import marlin_launch as L
+    bufs = L.one_expert_routing("cpu")
+    assert L.one_expert_routing("cpu") is bufs
+    for m, block in ((1, 8), (33, 32), (64, 64), (65, 64), (L.MAX_ROWS, 64)):
+        ids, experts, ntpp, tw = L.one_expert_views(bufs, m, block)
+        padded = -(-m // block) * block
+        assert ids.data_ptr() == bufs[0].data_ptr() and torch.equal(ids, torch.arange(padded, dtype=torch.int32))
+        assert experts.numel() == padded // block and not experts.any()
+        assert ntpp.tolist() == [padded] and tw.shape == (m, 1) and bool((tw == 1).all())
+
+
+def test_marlin_configs_reach_the_kernels(monkeypatch):
+    """The dense kernel takes the rows of its own shape (and says so); without Marlin MoE ops it refuses
+    them by name; the MoE kernel takes the rows of its two GEMMs."""
+    from mxfp8_learner_grid.common.grid_kernels import providers as P
+    from mxfp8_learner_grid.common.grid_kernels.marlin import MarlinLinear
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import MarlinMoE
+    rows = [[6144, 4096, 33, 65, 64, 128, 128, 2], [1536, 2048, 1, 2, 8, 64, 256, 1], [2048, 768, 1, 2, 8, -1, -1, 2]]
+
+    class Dense:
+        pass
+
+    class WithMoE(Dense):
+        def moe_gemm(self, *a, **kw):
+            raise AssertionError("not called on CPU")
+
+    cuda = dict(device_type="cuda", capability=(9, 0), n=6144, k=4096, options={"marlin_configs": rows})
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": WithMoE()})
+    kern = MarlinLinear(spec(**cuda))
+    assert kern.one_expert == [33, 65, 64, 128, 128, 2]
+    assert "marlin MoE as one expert (33 <= M < 65: block 64, tile 128x128, 2 blocks/SM)" in kern.describe()
+    assert MarlinLinear(spec(**dict(cuda, n=4096))).one_expert == []
+    moe = MarlinMoE(spec(**dict(cuda, kind="moe", n=1536, k=2048, intermediate=768, num_experts=128)))
+    assert moe.cfg13 == [1, 2, 8, 64, 256, 1] and moe.cfg2 == [1, 2, 8, -1, -1, 2]
+    assert "marlin_configs" in moe.describe()
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": Dense()})
+    with pytest.raises(ValueError, match="down_proj: marlin_configs has rows for N=6144, K=4096.*no Marlin MoE op"):
+        MarlinLinear(spec(**cuda))

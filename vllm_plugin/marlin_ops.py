@@ -169,11 +169,14 @@ class MarlinMoEOps(MarlinOps):
         return sorted_ids, expert_ids, ntpp
 
     def moe_gemm(self, a, w, s, workspace, sorted_ids, expert_ids, ntpp, topk_weights, block_size: int, top_k: int,
-                 size_m: int, size_n: int, size_k: int) -> torch.Tensor:
+                 size_m: int, size_n: int, size_k: int, thread_k: int = -1, thread_n: int = -1,
+                 blocks_per_sm: int = -1) -> torch.Tensor:
+        """One expert GEMM; ``thread_k`` / ``thread_n`` / ``blocks_per_sm`` -1: Marlin's own choice
+        (option ``marlin_configs`` sets them, ``grid_kernels/marlin_launch.py``)."""
         return torch.ops._moe_C.moe_wna16_marlin_gemm(
             a, None, w, None, s.view(torch.float8_e8m0fnu), None, None, None, None, None, workspace,
             sorted_ids, expert_ids, ntpp, topk_weights, block_size, top_k, False, FLOAT8_E4M3FN_ID,
-            size_m, size_n, size_k, True, False, True, False, -1, -1, -1)
+            size_m, size_n, size_k, True, False, True, False, thread_k, thread_n, blocks_per_sm)
 
 
 def compiled_marlin_ops(where: Optional[str] = None) -> tuple[Optional[MarlinOps], str]:

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from .. import format as F
-from . import providers
+from . import marlin_launch, providers
 from .base import GridKernel, LayerSpec, bf16_output_no_bias
 
 #: default M from which the dense layer takes the dequantize + cuBLAS path.  Measured on the H200
@@ -166,10 +166,12 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
                   w8a16_lo: int = 0, w8a16_hi: int = 0, w_bf16: Optional[torch.Tensor] = None,
                   bf16_rows: int = 0, gemv_rows: int = 0, hum_w: Optional[torch.Tensor] = None,
                   hum_s: Optional[torch.Tensor] = None, hum_locks: Optional[torch.Tensor] = None,
-                  hum_lo: int = 0, hum_hi: int = 0, hum_cfg: str = "", hum_tuning: str = "") -> torch.Tensor:
+                  hum_lo: int = 0, hum_hi: int = 0, hum_cfg: str = "", hum_tuning: str = "",
+                  one_expert: Optional[list[int]] = None) -> torch.Tensor:
     """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
     the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover),
-    humming (hum_lo <= M < hum_hi), the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi) or Marlin."""
+    humming (hum_lo <= M < hum_hi), the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi), Marlin MoE as
+    one expert (a row of ``one_expert`` holds M: option ``marlin_configs``) or Marlin."""
     from ..kernels.qdq_triton import qdq_rows
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -189,14 +191,30 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
     elif w8a16_lo <= m < w8a16_hi:
         from ..kernels.w8a16_triton import w8a16_gemm
         y = w8a16_gemm(a, weight, weight_scale_inv)
+    elif (knobs := marlin_launch.lookup(one_expert, m)) is not None:
+        y = one_expert_gemm(a, marlin_w, marlin_s, workspace, n, k, *knobs)
     else:
         y = providers.get("marlin").gemm(a, marlin_w, marlin_s, workspace, n, k)
     return y.reshape(*x.shape[:-1], n)
 
 
+def one_expert_gemm(a: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tensor, workspace: torch.Tensor,
+                    n: int, k: int, block: int, thread_k: int, thread_n: int, blocks_per_sm: int) -> torch.Tensor:
+    """The dense GEMM as a one-expert Marlin MoE with the given launch knobs (``marlin_launch``): the
+    same packed weight and scales, every token routed to expert 0 through constant views."""
+    m = a.shape[0]
+    sorted_ids, expert_ids, ntpp, tw = marlin_launch.one_expert_views(marlin_launch.one_expert_routing(a.device),
+                                                                      m, block)
+    return providers.get("marlin").moe_gemm(a, marlin_w.unsqueeze(0), marlin_s.unsqueeze(0), workspace, sorted_ids,
+                                            expert_ids, ntpp, tw, block, 1, size_m=m, size_n=n, size_k=k,
+                                            thread_k=thread_k, thread_n=thread_n,
+                                            blocks_per_sm=blocks_per_sm).view(m, n)
+
+
 @linear_marlin.register_fake
 def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0, w_bf16=None,
-      bf16_rows=0, gemv_rows=0, hum_w=None, hum_s=None, hum_locks=None, hum_lo=0, hum_hi=0, hum_cfg="", hum_tuning=""):
+      bf16_rows=0, gemv_rows=0, hum_w=None, hum_s=None, hum_locks=None, hum_lo=0, hum_hi=0, hum_cfg="", hum_tuning="",
+      one_expert=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -236,6 +254,10 @@ class MarlinLinear(GridKernel):
         self.gemv_rows = gemv_band(spec)
         from .humming import HummingBand
         self.humming = HummingBand(spec)
+        self.one_expert = marlin_launch.rows_for(spec.options, spec.n, spec.k)
+        if self.one_expert and not hasattr(providers.get("marlin"), "moe_gemm"):
+            raise ValueError(f"{spec.prefix}: marlin_configs has rows for N={spec.n}, K={spec.k}, which run the "
+                             "layer as a one-expert Marlin MoE, but the engine provides no Marlin MoE op")
 
     def derived_names(self, layer):
         return ("grid_marlin_weight", "grid_marlin_scale") + self.bf16_copy.names() + self.humming.names()
@@ -246,11 +268,30 @@ class MarlinLinear(GridKernel):
         if not hasattr(layer, "grid_marlin_weight"):
             self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
-            self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device))
+            # Marlin MoE's locks: one per thread block, up to MAX_BLOCKS_PER_SM per SM (marlin_configs)
+            per_sm = marlin_launch.MAX_BLOCKS_PER_SM if self.one_expert else 1
+            self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device, per_sm))
             self.bf16_copy.process(self, layer)
             self.humming.process(self, layer)
+            self._probe_one_expert(layer)
         else:
             self.refresh(layer)
+
+    def _probe_one_expert(self, layer) -> None:
+        """Each ``marlin_configs`` row of this layer, launched once at its first M on a random input, must
+        compute what Marlin's dense launch does (``marlin_launch.probe``); else the load fails, naming it."""
+        from ..kernels.qdq_triton import qdq_rows
+        one, n, k = self.one_expert, self.spec.n, self.spec.k
+        ops = providers.get("marlin")
+        for i in range(0, len(one), 6):
+            m = one[i]
+            g = torch.Generator(device=layer.weight.device).manual_seed(i)
+            a = qdq_rows(torch.randn(m, k, device=layer.weight.device, generator=g).to(torch.bfloat16), torch.bfloat16)
+            marlin_launch.probe(
+                lambda: one_expert_gemm(a, layer.grid_marlin_weight, layer.grid_marlin_scale,
+                                        layer.grid_marlin_workspace, n, k, *one[i + 2:i + 6]),
+                lambda: ops.gemm(a, layer.grid_marlin_weight, layer.grid_marlin_scale, layer.grid_marlin_workspace, n, k),
+                [n, k, *one[i:i + 6]], self.spec.prefix)
 
     def refresh(self, layer, experts=None) -> None:
         ops = providers.get("marlin")
@@ -272,13 +313,17 @@ class MarlinLinear(GridKernel):
                                                            layer.grid_marlin_workspace, layer.weight,
                                                            layer.weight_scale_inv, self.crossover, *self.w8a16,
                                                            self.bf16_copy.tensor(layer), self.bf16_copy.rows,
-                                                           self.gemv_rows, *self.humming.args(layer))
+                                                           self.gemv_rows, *self.humming.args(layer),
+                                                           self.one_expert or None)
 
     def describe(self):
         lo, hi = self.w8a16
         band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
         gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
-        return (f"{gemv}marlin (M < {self.crossover}){band} + dequantize/cuBLAS (M >= {self.crossover})"
+        one = self.one_expert
+        moe = "".join(f" + marlin MoE as one expert ({one[i]} <= M < {one[i + 1]}: block {one[i + 2]}, tile "
+                      f"{one[i + 3]}x{one[i + 4]}, {one[i + 5]} blocks/SM)" for i in range(0, len(one), 6))
+        return (f"{gemv}marlin (M < {self.crossover}){band}{moe} + dequantize/cuBLAS (M >= {self.crossover})"
                 f"{self.bf16_copy.describe()}{self.humming.describe()}")
 
 

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as Fn
 
-from . import providers
+from . import marlin_launch, providers
 from .base import GridKernel
 from .marlin import _marlin_supported, check_bf16_exact_weights, guard_bf16_exact_weights, marlin_scales, marlin_weight
 
@@ -68,15 +68,29 @@ def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, bloc
     return (torch.sort(key).values - seg * (numel + 1)).to(sorted_ids.dtype)
 
 
+def _align(ops, topk_ids, bs: int, global_num_experts: int, e_local: int, expert_map):
+    """The deterministic token alignment (``moe_triton.moe_align``); for a large batch, vLLM's align
+    (atomics), then the slot order fixed."""
+    from ..kernels import moe_triton
+    aligned = moe_triton.moe_align(topk_ids, bs, global_num_experts, e_local, expert_map)
+    if aligned is None:
+        sorted_ids, expert_ids, ntpp = ops.moe_align(topk_ids, bs, global_num_experts, expert_map)
+        return deterministic_order(sorted_ids, expert_ids, bs, topk_ids.numel()), expert_ids, ntpp
+    return aligned
+
+
 @torch.library.custom_op("mxfp8_learner_grid::moe_marlin", mutates_args=())
 def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                workspace: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                expert_map: Optional[torch.Tensor], global_num_experts: int, intermediate: int,
                w13_codes: Optional[torch.Tensor] = None, w13_scales: Optional[torch.Tensor] = None,
                w2_codes: Optional[torch.Tensor] = None, w2_scales: Optional[torch.Tensor] = None,
-               gemv_slots: int = 0) -> torch.Tensor:
+               gemv_slots: int = 0, cfg13: Optional[list[int]] = None,
+               cfg2: Optional[list[int]] = None) -> torch.Tensor:
     """The layer by Marlin MoE; with ``gemv_slots`` (and the layer's own codes and scales given), up to
-    that many routed slots by the expert GEMV instead (``moe_gemv.moe_decode_gemv``)."""
+    that many routed slots by the expert GEMV instead (``moe_gemv.moe_decode_gemv``).  ``cfg13`` /
+    ``cfg2``: the rows of option ``marlin_configs`` for the two GEMMs (``marlin_launch``): where one
+    holds M, its launch knobs, and the w13 row's token block for both GEMMs."""
     from ..kernels import moe_triton
     from ..kernels.qdq_triton import qdq_rows
     ops = providers.get("marlin")
@@ -89,20 +103,21 @@ def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torc
         return moe_decode_gemv(x, w13_codes, w13_scales, w2_codes, w2_scales, topk_weights, topk_ids, expert_map,
                                intermediate).to(x.dtype)
     e_local = w13.shape[0]
-    bs = block_size_m(m, topk, e_local, global_num_experts)
-    aligned = moe_triton.moe_align(topk_ids, bs, global_num_experts, e_local, expert_map)
-    if aligned is None:        # a large batch: vLLM's align (atomics), then the slot order fixed
-        sorted_ids, expert_ids, ntpp = ops.moe_align(topk_ids, bs, global_num_experts, expert_map)
-        sorted_ids = deterministic_order(sorted_ids, expert_ids, bs, topk_ids.numel())
-    else:
-        sorted_ids, expert_ids, ntpp = aligned
+    k13 = marlin_launch.lookup(cfg13, m)
+    k2 = marlin_launch.lookup(cfg2, m)
+    bs = k13[0] if k13 is not None else block_size_m(m, topk, e_local, global_num_experts)
+    t13 = k13[1:] if k13 is not None else (-1, -1, -1)
+    t2 = k2[1:] if k2 is not None else (-1, -1, -1)
+    sorted_ids, expert_ids, ntpp = _align(ops, topk_ids, bs, global_num_experts, e_local, expert_map)
     tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
     a = qdq_rows(x, torch.bfloat16)
     gu = ops.moe_gemm(a, w13, w13_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, topk,
-                      size_m=m, size_n=2 * intermediate, size_k=h)
+                      size_m=m, size_n=2 * intermediate, size_k=h, thread_k=t13[0], thread_n=t13[1],
+                      blocks_per_sm=t13[2])
     act = moe_triton.silu_mul_qdq(gu.view(m * topk, 2 * intermediate), intermediate)
     d = ops.moe_gemm(act, w2, w2_s, workspace, sorted_ids, expert_ids, ntpp, tw, bs, 1,
-                     size_m=m * topk, size_n=h, size_k=intermediate)
+                     size_m=m * topk, size_n=h, size_k=intermediate, thread_k=t2[0], thread_n=t2[1],
+                     blocks_per_sm=t2[2])
     return moe_triton.moe_combine(d.view(m * topk, h), tw, topk_ids, expert_map).to(x.dtype)
 
 
@@ -134,7 +149,7 @@ def moe_marlin_torch_glue(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk
 
 @moe_marlin.register_fake
 def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, global_num_experts, intermediate,
-      w13_codes=None, w13_scales=None, w2_codes=None, w2_scales=None, gemv_slots=0):
+      w13_codes=None, w13_scales=None, w2_codes=None, w2_scales=None, gemv_slots=0, cfg13=None, cfg2=None):
     return torch.empty_like(x)
 
 
@@ -166,9 +181,12 @@ class MarlinMoE(GridKernel):
         super().__init__(spec)
         from .moe_gemv import moe_gemv_slots
         self.gemv_slots = moe_gemv_slots(spec)
+        self.cfg13 = marlin_launch.rows_for(spec.options, 2 * spec.intermediate, spec.k)
+        self.cfg2 = marlin_launch.rows_for(spec.options, spec.k, spec.intermediate)
 
     def describe(self):
-        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin"
+        tuned = " (launch knobs from marlin_configs)" if self.cfg13 or self.cfg2 else ""
+        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin" + tuned
 
     def derived_names(self, layer):
         return ("grid_marlin_w13", "grid_marlin_w2", "grid_marlin_w13_scale", "grid_marlin_w2_scale")
@@ -199,10 +217,40 @@ class MarlinMoE(GridKernel):
                 w, s = self._stack(layer, which)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
-            workspace = providers.get("marlin").workspace(layer.w13_weight.device, 4)
+            workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
+            self._probe_launch_knobs(layer)
         else:
             self.refresh(layer)
+
+    def _probe_launch_knobs(self, layer) -> None:
+        """Each ``marlin_configs`` row of this layer, its GEMM run once at the row's first M (random tokens
+        and routing, the token block the layer would use there), must compute what Marlin's own launch
+        does (``marlin_launch.probe``); else the load fails, naming the row."""
+        from ..kernels.qdq_triton import qdq_rows
+        ops = providers.get("marlin")
+        dev = layer.w13_weight.device
+        e, h, inter = layer.w13_weight.shape[0], layer.w13_weight.shape[2], layer.w2_weight.shape[2]
+        topk = min(8, e)
+        for which, flat in (("w13", self.cfg13), ("w2", self.cfg2)):
+            for i in range(0, len(flat), 6):
+                m, knobs = flat[i], flat[i + 2:i + 6]
+                g = torch.Generator(device=dev).manual_seed(i)
+                ids = torch.topk(torch.randn(m, e, device=dev, generator=g), topk).indices.to(torch.int32)
+                k13 = marlin_launch.lookup(self.cfg13, m)
+                bs = knobs[0] if which == "w13" else (k13[0] if k13 else block_size_m(m, topk, e, e))
+                sorted_ids, expert_ids, ntpp = _align(ops, ids, bs, e, e, None)
+                tw = torch.ones(m, topk, dtype=torch.float32, device=dev)
+                n, k, rows, top = (2 * inter, h, m, topk) if which == "w13" else (h, inter, m * topk, 1)
+                a = qdq_rows(torch.randn(rows, k, device=dev, generator=g).to(torch.bfloat16), torch.bfloat16)
+                w, s = getattr(layer, f"grid_marlin_{which}"), getattr(layer, f"grid_marlin_{which}_scale")
+
+                def gemm(tk, tn, bps):
+                    return ops.moe_gemm(a, w, s, layer.grid_marlin_workspace, sorted_ids, expert_ids, ntpp, tw, bs,
+                                        top, size_m=rows, size_n=n, size_k=k, thread_k=tk, thread_n=tn,
+                                        blocks_per_sm=bps)
+                marlin_launch.probe(lambda: gemm(*knobs[1:]), lambda: gemm(-1, -1, -1), [n, k, *flat[i:i + 6]],
+                                    f"{self.spec.prefix}.{which}")
 
     def refresh(self, layer, experts=None) -> None:
         n = layer.w13_weight.shape[0]
@@ -231,4 +279,5 @@ class MarlinMoE(GridKernel):
         return torch.ops.mxfp8_learner_grid.moe_marlin(
             x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
             layer.grid_marlin_workspace, topk_weights, topk_ids, expert_map, e_global, layer.w2_weight.shape[2],
-            layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, self.gemv_slots)
+            layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, self.gemv_slots,
+            self.cfg13 or None, self.cfg2 or None)

@@ -218,14 +218,61 @@ def test_gemv_band_exact(kernel, n, k, m):
     assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
 
 
+def _tuned(make):
+    """A layer with marlin_configs rows; a row that vLLM's build cannot launch (a tile it was not built
+    with, a launch that fails) is refused at load by the probe: skipped here, with the reason."""
+    try:
+        return make()
+    except ValueError as exc:
+        if "marlin_configs row" not in str(exc):
+            raise
+        pytest.skip(str(exc))
+
+
+def test_a_row_marlin_cannot_launch_fails_the_load():
+    """N = 4160 is a Marlin shape (65 x 64) but no multiple of thread_n 256: the op refuses the row, and
+    the load fails naming it, before any CUDA graph."""
+    layer = grid_layer(4160, 4096, seed=3)
+    with pytest.raises(ValueError, match=r"t: marlin_configs row \[4160, 4096, 1, 65, 64, 64, 256, -1\]"):
+        setup_kernel(layer, marlin_configs=[[4160, 4096, 1, 65, 64, 64, 256, -1]])
+
+
+#: launch knobs of Marlin MoE (block, thread_k, thread_n, blocks_per_sm): its own choice, each tile, 1-4 blocks/SM
+LAUNCH_KNOBS = [(64, -1, -1, -1), (32, 128, 128, 2), (16, 64, 256, -1), (64, 128, 64, 4), (48, 64, 128, 1),
+                (8, -1, -1, 2)]
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096)])
+@pytest.mark.parametrize("m", [1, 17, 64, 100])
+@pytest.mark.parametrize("knobs", LAUNCH_KNOBS)
+def test_dense_as_one_expert_exact(n, k, m, knobs):
+    """Option marlin_configs on a dense layer: Marlin MoE with one expert, through constant views for
+    the alignment, is the grid (the same check as Marlin's), deterministic, and only inside its band."""
+    layer = grid_layer(n, k, seed=m + n)
+    kern = _tuned(lambda: setup_kernel(layer, marlin_configs=[[n, k, 1, 101, *knobs]]))
+    assert kern.name == "marlin" and "one expert" in kern.describe()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = kern.apply(layer, x)
+    w = dequantize_blocks(layer.weight, layer.weight_scale_inv)
+    check_fp32_accumulation(y, x_grid(x), w)
+    assert torch.equal(kern.apply(layer, x), y)                     # deterministic
+    # negative control: the same launch on x not quantized is not the grid
+    from mxfp8_learner_grid.common.grid_kernels.marlin import one_expert_gemm
+    raw = one_expert_gemm(x, layer.grid_marlin_weight, layer.grid_marlin_scale, layer.grid_marlin_workspace, n, k,
+                          *knobs)
+    assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
+
+
 @pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND}), (64, {"bf16_weight_rows": 48}),
-                                    (8, {"gemv_rows": 16})])
+                                    (8, {"gemv_rows": 16}),
+                                    (64, {"marlin_configs": [[4096, 4096, 1, 129, 32, 128, 128, 2]]})])
 def test_refresh_in_place_under_cuda_graph(m, opts):
     """A graph captured before an in-place update replays the new weights (Marlin; the W8A16 band;
-    the resident bf16 copy; the decode GEMV, which reads the parameters themselves)."""
+    the resident bf16 copy; the decode GEMV, which reads the parameters themselves; Marlin MoE as one
+    expert, which reads the packed copies)."""
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=1)
-    kern = setup_kernel(layer, **opts)
+    kern = _tuned(lambda: setup_kernel(layer, **opts))
     graph_then_update(kern, layer, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), n, k)
     stale = [n for n, (t, b) in kern.derived(layer).items() if not torch.equal(t, b())]
     assert stale == []
@@ -293,6 +340,31 @@ def test_moe_matches_reference(t, ep):
     # the SiLU*up intermediate is re-quantized: a one-ulp difference in gate_up can move one code
     assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
     assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)       # deterministic
+
+
+@pytest.mark.parametrize("t", [1, 16, 64])
+@pytest.mark.parametrize("ep", [False, True])
+@pytest.mark.parametrize("knobs13,knobs2", [((16, 128, 128, 2), (16, -1, -1, 4)), ((64, 64, 256, -1), (64, 128, 64, 1)),
+                                            ((8, -1, -1, 1), (8, 64, 128, 2))])
+def test_moe_with_launch_knobs_matches_reference(t, ep, knobs13, knobs2):
+    """Option marlin_configs on a MoE layer: the w13 row's block and both rows' tiles / blocks per SM
+    compute the same layer (the per-expert reference), deterministically."""
+    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
+    e, h, i, topk = 32, 2048, 768, 8
+    layer = _tuned(lambda: moe_layer(e, h, i, seed=t, marlin_configs=[[2 * i, h, 1, 65, *knobs13],
+                                                                       [h, i, 1, 65, *knobs2]]))
+    assert layer.grid_kernel.name == "marlin" and "marlin_configs" in layer.grid_kernel.describe()
+    ids, emap, _, _ = _routing(t, topk, e, ep)
+    g = torch.Generator(device="cuda").manual_seed(70 + t)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.softmax(torch.randn(t, topk, device="cuda", generator=g), -1)
+    y = layer.grid_kernel.apply(layer, x, w, ids, emap)
+    ref = moe_reference(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                        w, local_expert_ids(ids, emap))
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    d = bf16_ulps(y, ref)
+    assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
+    assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)
 
 
 @pytest.mark.parametrize("kernel", ["marlin", "triton"])
