@@ -230,8 +230,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--table-out", default="", help="write {'marlin_configs': rows} for `e2e ... grid+ ... F`")
     args = ap.parse_args()
-    from mxfp8_learner_grid.vllm_plugin import marlin_ops
-    marlin_ops.register_provider("experiment")
+    from mxfp8_learner_grid.vllm_plugin import compat
+    compat.register_kernel_providers()          # vLLM's env (SGLang's: the ops alone, $MXFP8_GRID_VLLM_OPS)
+    if providers.get("marlin") is None:
+        from mxfp8_learner_grid.vllm_plugin import marlin_ops
+        marlin_ops.register_provider("experiment")
     ops = providers.get("marlin")
     assert ops is not None and hasattr(ops, "moe_gemm"), "vLLM's Marlin (dense and MoE) ops are needed"
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": torch.cuda.get_device_name(),
