@@ -435,3 +435,44 @@ def test_marlin_configs_reach_the_kernels(monkeypatch):
     monkeypatch.setattr(P, "_PROVIDERS", {"marlin": Dense()})
     with pytest.raises(ValueError, match="down_proj: marlin_configs has rows for N=6144, K=4096.*no Marlin MoE op"):
         MarlinLinear(spec(**cuda))
+
+
+def test_marlin_configs_reach_a_layers_spec():
+    """The option passes from quantization_config into each layer's spec (the filter of kernel options
+    once dropped it: on the H200 the tuned launch then never ran)."""
+    from mxfp8_learner_grid.common.grid_kernels.layers import kernel_options
+    from mxfp8_learner_grid.common.options import GridOptions
+    rows = [[1536, 2048, 1, 2, 8, 128, 64, 2]]
+    assert kernel_options(GridOptions.from_dict({"marlin_configs": rows}))["marlin_configs"] == rows
+
+
+def test_the_probe_refuses_broken_launches_and_accepts_reordered_sums():
+    """marlin_launch.probe: a launch equal up to FP32 summation order passes (most elements bit-equal, a
+    few moved by ulps where terms cancel); an op error, an unwritten (non-finite) output and garbage are
+    refused, naming the row."""
+    from mxfp8_learner_grid.common.grid_kernels.marlin_launch import probe
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(16, 512, generator=g).to(torch.bfloat16)
+    row = [512, 256, 1, 17, 8, -1, -1, 2]
+    probe(lambda: ref.clone(), lambda: ref, row, "p")
+    moved = ref.clone()
+    moved.view(-1)[::1000] = (moved.view(-1)[::1000].float() * (1 + 2 ** -7)).to(torch.bfloat16)   # 1-2 ulps
+    ref[0, 0], moved[0, 0] = 1e-3, -1e-3              # terms cancelling near zero: the sign moved
+    probe(lambda: moved, lambda: ref, row, "p")
+
+    def boom():
+        raise RuntimeError("Invalid thread config: thread_m_blocks = 1\nmore")
+    with pytest.raises(ValueError, match=r"p: marlin_configs row \[512, 256, 1, 17, 8, -1, -1, 2\]: Marlin MoE "
+                                         r"refuses it: Invalid thread config: thread_m_blocks = 1$"):
+        probe(boom, lambda: ref, row, "p")
+    nan = ref.clone()
+    nan[3, 3] = float("nan")
+    with pytest.raises(ValueError, match="wrote no valid output"):
+        probe(lambda: nan, lambda: ref, row, "p")
+    with pytest.raises(ValueError, match=r"differs from Marlin's own \(0\.0"):
+        probe(lambda: torch.randn(16, 512, generator=g).to(torch.bfloat16), lambda: ref, row, "p")
+    far = ref.clone()
+    far[5, 7] = ref[5].float().abs().max() * 0.5
+    far[5, 8] = -far[5, 7]
+    with pytest.raises(ValueError, match="differs from Marlin's own"):
+        probe(lambda: far, lambda: ref, row, "p")

@@ -114,8 +114,10 @@ def one_expert_views(buffers, m: int, block: int):
 
 
 def probe(tuned, default, row: Sequence[int], prefix: str) -> None:
-    """Refuse a row at load unless its launch computes what Marlin's own launch does (up to FP32
-    summation order: >= 99 % of elements equal, the rest within one bf16 ulp).  A tile that vLLM's
+    """Refuse a row at load unless its launch computes what Marlin's own launch does, up to FP32
+    summation order: >= 99 % of the elements equal bit for bit, and every other one within 1 % of its
+    row's largest magnitude (a reordered FP32 sum moves an element by an ulp or, where terms cancel,
+    by a few ulps of a small result; a broken launch moves nearly all of them).  A tile that vLLM's
     build lacks is refused by the op; one that fails to launch leaves its output unwritten, silently
     (the op does not check the launch): both are caught here, once per layer, not in a CUDA graph."""
     try:
@@ -126,10 +128,9 @@ def probe(tuned, default, row: Sequence[int], prefix: str) -> None:
     ref = default()
     if y.shape != ref.shape or not bool(torch.isfinite(y).all()):
         raise ValueError(f"{prefix}: marlin_configs row {list(row)}: its launch wrote no valid output")
-    a, b = y.view(torch.int16).to(torch.int32), ref.view(torch.int16).to(torch.int32)
-    same = (a == b).float().mean().item()
-    # adjacent bf16 values of one sign differ by one in their bit pattern
-    near = bool(((a - b).abs() <= 1).all())
+    same = (y.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+    yf, rf = y.float(), ref.float()
+    near = bool(((yf - rf).abs() <= 0.01 * rf.abs().amax(dim=-1, keepdim=True)).all())
     if same < 0.99 or not near:
         raise ValueError(f"{prefix}: marlin_configs row {list(row)}: its launch differs from Marlin's own "
                          f"({same:.4f} of elements equal): not used")
