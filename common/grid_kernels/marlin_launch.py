@@ -14,8 +14,8 @@ of tile / blocks per SM).
 * **MoE layers**: the row of the w13 GEMM (n = 2 x intermediate, k = hidden) sets the layer's token
   block and its tiles; the row of the w2 GEMM (n = hidden, k = intermediate) sets the w2 tiles
   (its ``block`` is not used: both GEMMs share one token alignment).  M is the layer's tokens.
-* **Dense layers**: in a row's band the layer runs as a one-expert Marlin MoE (every token routed to
-  expert 0) on its own packed weight and scales (``grid_marlin_weight`` / ``grid_marlin_scale``, the
+* **Dense layers**: in a row's band (below ``prefill_crossover`` and outside the other options' bands,
+  which come first) the layer runs as a one-expert Marlin MoE (every token routed to expert 0) on its own packed weight and scales (``grid_marlin_weight`` / ``grid_marlin_scale``, the
   same layout per expert): no derived tensor more, and the token alignment is a view of a constant
   ``arange`` (entries >= M are padding, which Marlin skips), so the band adds no launch.
 
