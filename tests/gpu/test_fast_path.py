@@ -320,7 +320,6 @@ def moe_layer(e, h, i, seed=0, kernel=None, **opts):
 @pytest.mark.parametrize("t", [1, 16, 300, 2048])
 @pytest.mark.parametrize("ep", [False, True])
 def test_moe_matches_reference(t, ep):
-    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
     e, h, i, topk = 32, 2048, 768, 8
     layer = moe_layer(e, h, i, seed=t)
     assert layer.grid_kernel.name == "marlin"
@@ -334,12 +333,18 @@ def test_moe_matches_reference(t, ep):
     if ep:        # this rank holds global experts e..2e-1 as local 0..e-1
         emap = torch.full((2 * e,), -1, dtype=torch.int32, device="cuda")
         emap[e:] = torch.arange(e, dtype=torch.int32, device="cuda")
+    _check_moe_against_reference(layer, x, w, ids, emap)
+
+
+def _check_moe_against_reference(layer, x, w, ids, emap):
+    """The layer against the per-expert reference (the SiLU*up intermediate is re-quantized: a one-ulp
+    difference in gate_up can move one code), and deterministic."""
+    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
     y = layer.grid_kernel.apply(layer, x, w, ids, emap)
     ref = moe_reference(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
                         w, local_expert_ids(ids, emap))
     rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
     d = bf16_ulps(y, ref)
-    # the SiLU*up intermediate is re-quantized: a one-ulp difference in gate_up can move one code
     assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
     assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)       # deterministic
 
@@ -351,7 +356,6 @@ def test_moe_matches_reference(t, ep):
 def test_moe_with_launch_knobs_matches_reference(t, ep, knobs13, knobs2):
     """Option marlin_configs on a MoE layer: the w13 row's block and both rows' tiles / blocks per SM
     compute the same layer (the per-expert reference), deterministically."""
-    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
     e, h, i, topk = 32, 2048, 768, 8
     layer = _tuned(lambda: moe_layer(e, h, i, seed=t, marlin_configs=[[2 * i, h, 1, 65, *knobs13],
                                                                        [h, i, 1, 65, *knobs2]]))
@@ -360,13 +364,7 @@ def test_moe_with_launch_knobs_matches_reference(t, ep, knobs13, knobs2):
     g = torch.Generator(device="cuda").manual_seed(70 + t)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.softmax(torch.randn(t, topk, device="cuda", generator=g), -1)
-    y = layer.grid_kernel.apply(layer, x, w, ids, emap)
-    ref = moe_reference(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
-                        w, local_expert_ids(ids, emap))
-    rel = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-    d = bf16_ulps(y, ref)
-    assert rel < 2e-3 and (d <= 1).float().mean().item() >= 0.98, (rel, (d <= 1).float().mean().item())
-    assert torch.equal(layer.grid_kernel.apply(layer, x, w, ids, emap), y)
+    _check_moe_against_reference(layer, x, w, ids, emap)
 
 
 @pytest.mark.parametrize("kernel", ["marlin", "triton"])
