@@ -119,7 +119,9 @@ def probe(tuned, default, row: Sequence[int], prefix: str) -> None:
     row's largest magnitude (a reordered FP32 sum moves an element by an ulp or, where terms cancel,
     by a few ulps of a small result; a broken launch moves nearly all of them).  A tile that vLLM's
     build lacks is refused by the op; one that fails to launch leaves its output unwritten, silently
-    (the op does not check the launch): both are caught here, once per layer, not in a CUDA graph."""
+    (the op does not check the launch): both are caught here, once per layer, not in a CUDA graph.
+    The probe runs on the layer's weights as loaded: on all-zero weights both launches write zeros and
+    an unwritten output that happens to be zeros too would pass."""
     try:
         y = tuned()
     except Exception as exc:          # the op's own checks (RuntimeError from its STD_TORCH_CHECKs)
