@@ -9,7 +9,7 @@ measures it and writes a table).
 
 A row is ``[n, k, lo, hi, block, thread_k, thread_n, blocks_per_sm]``: for a GEMM with N outputs
 and reduction K, at lo <= M < hi rows (tokens), launch with these knobs (-1: Marlin's own choice
-of tile / blocks per SM).
+of tile / blocks per SM).  N and K are the GEMM as one rank holds it (after tensor parallelism).
 
 * **MoE layers**: the row of the w13 GEMM (n = 2 x intermediate, k = hidden) sets the layer's token
   block and its tiles; the row of the w2 GEMM (n = hidden, k = intermediate) sets the w2 tiles
