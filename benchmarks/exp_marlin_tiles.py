@@ -46,10 +46,6 @@ from mxfp8_learner_grid.common.grid_kernels.marlin_moe import _align, block_size
 BPS = (-1, 1, 2, 4)
 
 
-def moe_call(ops, a, w, s, ws, sorted_ids, expert_ids, ntpp, tw, bs, top_k, size_m, n, k, tk=-1, tn=-1, bps=-1):
-    return ops.moe_gemm(a, w, s, ws, sorted_ids, expert_ids, ntpp, tw, bs, top_k, size_m, n, k, tk, tn, bps)
-
-
 def align(ops, ids, bs, e):
     """The layer's own token alignment (deterministic)."""
     return _align(ops, ids, bs, e, e, None)
@@ -133,8 +129,8 @@ def moe_part(ops, args, budget, out, meta, table):
         def calls(gemm, bs, tk=-1, tn=-1, bps=-1):
             inp, size_m, n, k, top_k = gemms[gemm]
             si, ei, nt = aligned[bs]
-            return [lambda c=c: moe_call(ops, inp, c[gemm][2], c[gemm][3], ws, si, ei, nt, tw, bs, top_k,
-                                         size_m, n, k, tk, tn, bps) for c in copies]
+            return [lambda c=c: ops.moe_gemm(inp, c[gemm][2], c[gemm][3], ws, si, ei, nt, tw, bs, top_k,
+                                             size_m, n, k, tk, tn, bps) for c in copies]
 
         def checker(gemm):
             n = gemms[gemm][2]

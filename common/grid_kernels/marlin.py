@@ -281,17 +281,18 @@ class MarlinLinear(GridKernel):
         """Each ``marlin_configs`` row of this layer, launched once at its first M on a random input, must
         compute what Marlin's dense launch does (``marlin_launch.probe``); else the load fails, naming it."""
         from ..kernels.qdq_triton import qdq_rows
-        one, n, k = self.one_expert, self.spec.n, self.spec.k
+        n, k = self.spec.n, self.spec.k
         ops = providers.get("marlin")
-        for i in range(0, len(one), 6):
-            m = one[i]
+        for i, band in enumerate(marlin_launch.bands(self.one_expert)):
+            m, knobs = band[0], band[2:]
             g = torch.Generator(device=layer.weight.device).manual_seed(i)
             a = qdq_rows(torch.randn(m, k, device=layer.weight.device, generator=g).to(torch.bfloat16), torch.bfloat16)
             marlin_launch.probe(
                 lambda: one_expert_gemm(a, layer.grid_marlin_weight, layer.grid_marlin_scale,
-                                        layer.grid_marlin_workspace, n, k, *one[i + 2:i + 6]),
-                lambda: ops.gemm(a, layer.grid_marlin_weight, layer.grid_marlin_scale, layer.grid_marlin_workspace, n, k),
-                [n, k, *one[i:i + 6]], self.spec.prefix)
+                                        layer.grid_marlin_workspace, n, k, *knobs),
+                lambda: ops.gemm(a, layer.grid_marlin_weight, layer.grid_marlin_scale, layer.grid_marlin_workspace,
+                                 n, k),
+                [n, k, *band], self.spec.prefix)
 
     def refresh(self, layer, experts=None) -> None:
         ops = providers.get("marlin")
@@ -320,9 +321,8 @@ class MarlinLinear(GridKernel):
         lo, hi = self.w8a16
         band = f" + w8a16 Triton ({lo} <= M < {hi})" if hi > lo else ""
         gemv = f"gemv (M <= {self.gemv_rows}) + " if self.gemv_rows else ""
-        one = self.one_expert
-        moe = "".join(f" + marlin MoE as one expert ({one[i]} <= M < {one[i + 1]}: block {one[i + 2]}, tile "
-                      f"{one[i + 3]}x{one[i + 4]}, {one[i + 5]} blocks/SM)" for i in range(0, len(one), 6))
+        moe = "".join(f" + marlin MoE as one expert ({lo} <= M < {hi}: block {block}, tile {tk}x{tn}, {bps} blocks/SM)"
+                      for lo, hi, block, tk, tn, bps in marlin_launch.bands(self.one_expert))
         return (f"{gemv}marlin (M < {self.crossover}){band}{moe} + dequantize/cuBLAS (M >= {self.crossover})"
                 f"{self.bf16_copy.describe()}{self.humming.describe()}")
 

@@ -15,8 +15,9 @@ of tile / blocks per SM).  N and K are the GEMM as one rank holds it (after tens
   block and its tiles; the row of the w2 GEMM (n = hidden, k = intermediate) sets the w2 tiles
   (its ``block`` is not used: both GEMMs share one token alignment).  M is the layer's tokens.
 * **Dense layers**: in a row's band (below ``prefill_crossover`` and outside the other options' bands,
-  which come first) the layer runs as a one-expert Marlin MoE (every token routed to expert 0) on its own packed weight and scales (``grid_marlin_weight`` / ``grid_marlin_scale``, the
-  same layout per expert): no derived tensor more, and the token alignment is a view of a constant
+  which come first) the layer runs as a one-expert Marlin MoE (every token routed to expert 0) on
+  its own packed weight and scales (``grid_marlin_weight`` / ``grid_marlin_scale``, the same layout
+  per expert): no derived tensor more, and the token alignment is a view of a constant
   ``arange`` (entries >= M are padding, which Marlin skips), so the band adds no launch.
 
 Rows are parsed once (:func:`parse_rows`), the rows of one shape flattened once per layer
@@ -79,13 +80,17 @@ def rows_for(options: dict, n: int, k: int) -> list[int]:
     return flat
 
 
+def bands(flat: Optional[Sequence[int]]):
+    """The rows of :func:`rows_for`'s flat list, as (lo, hi, block, thread_k, thread_n, blocks_per_sm)."""
+    flat = flat or ()
+    return [tuple(flat[i:i + _PER_SHAPE]) for i in range(0, len(flat), _PER_SHAPE)]
+
+
 def lookup(flat: Optional[Sequence[int]], m: int) -> Optional[tuple[int, int, int, int]]:
     """(block, thread_k, thread_n, blocks_per_sm) of the row whose band holds M, or None."""
-    if not flat:
-        return None
-    for i in range(0, len(flat), _PER_SHAPE):
-        if flat[i] <= m < flat[i + 1]:
-            return flat[i + 2], flat[i + 3], flat[i + 4], flat[i + 5]
+    for lo, hi, *knobs in bands(flat):
+        if lo <= m < hi:
+            return tuple(knobs)
     return None
 
 

@@ -68,6 +68,13 @@ def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, bloc
     return (torch.sort(key).values - seg * (numel + 1)).to(sorted_ids.dtype)
 
 
+def token_block(cfg13: Optional[list[int]], m: int, topk: int, local_experts: int, global_experts: int) -> int:
+    """The layer's token block for M tokens (both GEMMs share one alignment): its w13 row's under
+    option ``marlin_configs``, else vLLM's choice (:func:`block_size_m`)."""
+    knobs = marlin_launch.lookup(cfg13, m)
+    return knobs[0] if knobs is not None else block_size_m(m, topk, local_experts, global_experts)
+
+
 def _align(ops, topk_ids, bs: int, global_num_experts: int, e_local: int, expert_map):
     """The deterministic token alignment (``moe_triton.moe_align``); for a large batch, vLLM's align
     (atomics), then the slot order fixed."""
@@ -105,7 +112,7 @@ def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torc
     e_local = w13.shape[0]
     k13 = marlin_launch.lookup(cfg13, m)
     k2 = marlin_launch.lookup(cfg2, m)
-    bs = k13[0] if k13 is not None else block_size_m(m, topk, e_local, global_num_experts)
+    bs = token_block(cfg13, m, topk, e_local, global_num_experts)
     t13 = k13[1:] if k13 is not None else (-1, -1, -1)
     t2 = k2[1:] if k2 is not None else (-1, -1, -1)
     sorted_ids, expert_ids, ntpp = _align(ops, topk_ids, bs, global_num_experts, e_local, expert_map)
@@ -233,12 +240,12 @@ class MarlinMoE(GridKernel):
         e, h, inter = layer.w13_weight.shape[0], layer.w13_weight.shape[2], layer.w2_weight.shape[2]
         topk = min(8, e)
         for which, flat in (("w13", self.cfg13), ("w2", self.cfg2)):
-            for i in range(0, len(flat), 6):
-                m, knobs = flat[i], flat[i + 2:i + 6]
+            for i, band in enumerate(marlin_launch.bands(flat)):
+                m, knobs = band[0], band[2:]
                 g = torch.Generator(device=dev).manual_seed(i)
                 ids = torch.topk(torch.randn(m, e, device=dev, generator=g), topk).indices.to(torch.int32)
-                k13 = marlin_launch.lookup(self.cfg13, m)
-                bs = knobs[0] if which == "w13" else (k13[0] if k13 else block_size_m(m, topk, e, e))
+                # the block the layer uses at this M (a w2 row's own block is not used)
+                bs = knobs[0] if which == "w13" else token_block(self.cfg13, m, topk, e, e)
                 sorted_ids, expert_ids, ntpp = _align(ops, ids, bs, e, e, None)
                 tw = torch.ones(m, topk, dtype=torch.float32, device=dev)
                 n, k, rows, top = (2 * inter, h, m, topk) if which == "w13" else (h, inter, m * topk, 1)
@@ -249,7 +256,7 @@ class MarlinMoE(GridKernel):
                     return ops.moe_gemm(a, w, s, layer.grid_marlin_workspace, sorted_ids, expert_ids, ntpp, tw, bs,
                                         top, size_m=rows, size_n=n, size_k=k, thread_k=tk, thread_n=tn,
                                         blocks_per_sm=bps)
-                marlin_launch.probe(lambda: gemm(*knobs[1:]), lambda: gemm(-1, -1, -1), [n, k, *flat[i:i + 6]],
+                marlin_launch.probe(lambda: gemm(*knobs[1:]), lambda: gemm(-1, -1, -1), [n, k, *band],
                                     f"{self.spec.prefix}.{which}")
 
     def refresh(self, layer, experts=None) -> None:
