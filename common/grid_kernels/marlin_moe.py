@@ -68,11 +68,11 @@ def deterministic_order(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, bloc
     return (torch.sort(key).values - seg * (numel + 1)).to(sorted_ids.dtype)
 
 
-def token_block(cfg13: Optional[list[int]], m: int, topk: int, local_experts: int, global_experts: int) -> int:
-    """The layer's token block for M tokens (both GEMMs share one alignment): its w13 row's under
-    option ``marlin_configs``, else vLLM's choice (:func:`block_size_m`)."""
-    knobs = marlin_launch.lookup(cfg13, m)
-    return knobs[0] if knobs is not None else block_size_m(m, topk, local_experts, global_experts)
+def token_block(knobs13, m: int, topk: int, local_experts: int, global_experts: int) -> int:
+    """The layer's token block for M tokens (both GEMMs share one alignment): that of its w13 row's
+    knobs (``marlin_launch.lookup`` of option ``marlin_configs`` at M), else vLLM's choice
+    (:func:`block_size_m`)."""
+    return knobs13[0] if knobs13 is not None else block_size_m(m, topk, local_experts, global_experts)
 
 
 def _align(ops, topk_ids, bs: int, global_num_experts: int, e_local: int, expert_map):
@@ -112,7 +112,7 @@ def moe_marlin(x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torc
     e_local = w13.shape[0]
     k13 = marlin_launch.lookup(cfg13, m)
     k2 = marlin_launch.lookup(cfg2, m)
-    bs = token_block(cfg13, m, topk, e_local, global_num_experts)
+    bs = token_block(k13, m, topk, e_local, global_num_experts)
     t13 = k13[1:] if k13 is not None else (-1, -1, -1)
     t2 = k2[1:] if k2 is not None else (-1, -1, -1)
     sorted_ids, expert_ids, ntpp = _align(ops, topk_ids, bs, global_num_experts, e_local, expert_map)
@@ -245,7 +245,7 @@ class MarlinMoE(GridKernel):
                 g = torch.Generator(device=dev).manual_seed(i)
                 ids = torch.topk(torch.randn(m, e, device=dev, generator=g), topk).indices.to(torch.int32)
                 # the block the layer uses at this M (a w2 row's own block is not used)
-                bs = knobs[0] if which == "w13" else token_block(self.cfg13, m, topk, e, e)
+                bs = knobs[0] if which == "w13" else token_block(marlin_launch.lookup(self.cfg13, m), m, topk, e, e)
                 sorted_ids, expert_ids, ntpp = _align(ops, ids, bs, e, e, None)
                 tw = torch.ones(m, topk, dtype=torch.float32, device=dev)
                 n, k, rows, top = (2 * inter, h, m, topk) if which == "w13" else (h, inter, m * topk, 1)
