@@ -13,8 +13,8 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
   grid_gemv     ours with option gemv_rows (M <= 64): x quantized to codes + scales + the decode GEMV (kernels/gemv_triton)
 
-``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, warps,
-stages) per (shape, M <= 256) as arms ``w8a16:<config>``; ``--band-out F`` writes the rows
+``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode)
+per (shape, M in --sweep-ms) as arms ``w8a16:<config>`` (``--best-out F``: the fastest per M and shape); ``--band-out F`` writes the rows
 [lo, hi) where grid_w8a16 beats grid_marlin on the summed time of the shapes run (the
 ``w8a16_rows`` option for an end-to-end run); ``--gemv-out F`` writes ``{"gemv_rows": R}``, R the
 largest M such that grid_gemv beats grid_marlin (summed over the shapes) at every measured M <= R.
@@ -115,6 +115,7 @@ def main():
     ap.add_argument("--w8a16-sweep", action="store_true")
     ap.add_argument("--sweep-ms", default="16,32,64,128", help="the M values the sweep runs at")
     ap.add_argument("--band-out", default="")
+    ap.add_argument("--best-out", default="", help="write the fastest exact W8A16 config per (M, shape) here")
     ap.add_argument("--gemv-out", default="")
     args = ap.parse_args()
     from mxfp8_learner_grid.vllm_plugin import compat
@@ -247,6 +248,9 @@ def main():
         f"bf16copy {total.get((m, 'grid_bf16copy'), 0):.1f} gemv {total.get((m, 'grid_gemv'), 0):.1f} "
         f"bf16 {total.get((m, 'bf16'), 0):.1f}" for m in ms), flush=True)
     print(f"W8A16_BAND {json.dumps(band)}", flush=True)
+    if args.best_out:
+        with open(args.best_out, "w") as f:
+            json.dump({str(m): {sh: [c, round(t, 2)] for sh, (c, t) in per.items()} for m, per in best_cfg.items()}, f)
     for m, per in sorted(best_cfg.items()):       # what a per-shape config table would reach
         print(f"W8A16_BEST M={m}: summed {sum(t for _, t in per.values()):.1f} us (marlin "
               f"{total.get((m, 'grid_marlin'), 0):.1f}, bf16 {total.get((m, 'bf16'), 0):.1f}); "
@@ -266,18 +270,21 @@ def main():
 
 
 def sweep_configs(m, n, k, sms, default):
-    """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages): weight-row tiles of
-    64 (one warpgroup), 128 and 256 (two warpgroups: fewer re-reads of the x tile from L2 per weight
-    byte), split-K 1 / 2 (deterministic), 3 or 4 stages."""
-    out = {tuple(default)}
-    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-        bm = default[1]
-        tiles = -(-n // bn) * -(-m // bm)
-        for split in (1, 2):
-            if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
-                continue
-            for stages in (3, 4):
-                out.add((bn, bm, split, warps, stages))
+    """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode): the default with
+    the first decode (fp32, per K step of 128); the integer decode (2) with weight-row tiles of 64 (one
+    warpgroup), 128 and 256 (two warpgroups: fewer re-reads of the x tile from L2 per weight byte),
+    split-K 1 / 2 / 4 (deterministic), 3 or 4 stages; the GPU-conversion decode (1) at tiles of 64."""
+    default = tuple(default) + (() if len(default) > 5 else (0,))
+    out = {default, default[:5] + (0,)}
+    for decode, shapes in ((2, ((64, 4), (128, 4), (128, 8), (256, 8))), (1, ((64, 4),))):
+        for bn, warps in shapes:
+            bm = default[1]
+            tiles = -(-n // bn) * -(-m // bm)
+            for split in (1, 2, 4):
+                if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
+                    continue
+                for stages in (3, 4):
+                    out.add((bn, bm, split, warps, stages, decode))
     return sorted(out)
 
 

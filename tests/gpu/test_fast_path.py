@@ -135,17 +135,47 @@ def test_dense_exact(n, k, m):
 W8A16_BAND = [17, 256]
 
 
-def test_w8a16_value_path_bits():
-    """x = I: the W8A16 GEMM returns W's decoded values bit for bit (the decode is dequant_triton's)."""
+#: W8A16 configs (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode) beside the default: each decode, one and
+#: two warpgroups, split-K
+W8A16_CONFIGS = [None, (64, 64, 1, 4, 3, 0), (64, 64, 2, 4, 3, 1), (64, 64, 2, 4, 3, 2), (128, 64, 1, 8, 3, 2),
+                 (128, 32, 4, 4, 4, 2), (256, 64, 2, 8, 3, 2)]
+
+
+@pytest.mark.parametrize("config", W8A16_CONFIGS)
+def test_w8a16_value_path_bits(config):
+    """x = I: the W8A16 GEMM returns W's decoded values bit for bit, with every decode: every code but the
+    NaNs (E4M3 subnormals included), scale bytes 3 ... 246 (the largest whose blocks stay finite)."""
     from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_gemm
-    n, k = 1024, 256
+    n, k = 1024, 512
     q = torch.randint(0, 256, (n, k), dtype=torch.uint8, device="cuda")
     q[(q & 0x7F) == 0x7F] = 0
     q[q == 0x80] = 0                    # -0.0 sums to +0.0
+    q[0, :254] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F and c != 0x80] + [0], dtype=torch.uint8)
+    q[2] = 0x7E                         # 448: with scale byte 246, the largest finite block
     s = torch.randint(3, 200, (n, k // 32), dtype=torch.uint8, device="cuda")
-    got = w8a16_gemm(torch.eye(k, device="cuda", dtype=torch.bfloat16), q.view(torch.float8_e4m3fn), s)
+    s[1] = (torch.arange(k // 32, device="cuda") * 15 % 244 + 3).to(torch.uint8)     # spread over 3 ... 246
+    s[2] = 246
+    got = w8a16_gemm(torch.eye(k, device="cuda", dtype=torch.bfloat16), q.view(torch.float8_e4m3fn), s, config)
     ref = dequantize_blocks(q.view(torch.float8_e4m3fn), s).to(torch.bfloat16).t().contiguous()
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("config", W8A16_CONFIGS[1:])
+@pytest.mark.parametrize("n,k,m", [(6144, 4096, 64), (4096, 12288, 33), (2048, 4096, 128), (1536, 768, 7)])
+def test_w8a16_configs_exact(config, n, k, m):
+    """Every decode and tiling sums the same exact products in FP32: the exact sum rounded once, up to
+    FP32 order; deterministic; and a negative control (x not quantized) is off the grid."""
+    from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_gemm
+    layer = grid_layer(n, k, seed=m + n + (config[5] if config else 0))
+    if k % (128 * config[2]):
+        pytest.skip("K is not a multiple of 128 * SPLIT_K")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = dequantize_blocks(layer.weight, layer.weight_scale_inv)
+    y = w8a16_gemm(x_grid(x), layer.weight, layer.weight_scale_inv, config)
+    check_fp32_accumulation(y, x_grid(x), w)
+    assert torch.equal(w8a16_gemm(x_grid(x), layer.weight, layer.weight_scale_inv, config), y)
+    raw = w8a16_gemm(x, layer.weight, layer.weight_scale_inv, config)
+    assert (bf16_ulps(raw, exact_bf16(x_grid(x), w)) == 0).float().mean().item() < 0.9
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (2048, 4096), (4096, 4096), (1536, 768)])
