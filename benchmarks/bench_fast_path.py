@@ -271,12 +271,14 @@ def main():
 
 def sweep_configs(m, n, k, sms, default):
     """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode): the default with
-    the first decode (fp32, per K step of 128); the integer decode (2) with weight-row tiles of 64 (one
-    warpgroup), 128 and 256 (two warpgroups: fewer re-reads of the x tile from L2 per weight byte),
-    split-K 1 / 2 / 4 (deterministic), 3 or 4 stages; the GPU-conversion decode (1) at tiles of 64."""
+    the first decode (fp32, per K step of 128); split-K 1 / 2 / 4 (deterministic) and 3 or 4 stages for: the
+    integer decode per K step (3) and the GPU-conversion decode per 32-block (1) at weight-row tiles of 64
+    (one warpgroup), the integer decode per 32-block (2) at 64 and 128 (two warpgroups: fewer re-reads
+    of the x tile from L2 per weight byte).  The seventeenth session also ran decode 2 at 128 rows with
+    4 warps and at 256 rows: always slower."""
     default = tuple(default) + (() if len(default) > 5 else (0,))
     out = {default, default[:5] + (0,)}
-    for decode, shapes in ((2, ((64, 4), (128, 4), (128, 8), (256, 8))), (1, ((64, 4),))):
+    for decode, shapes in ((3, ((64, 4),)), (2, ((64, 4), (128, 8))), (1, ((64, 4),))):
         for bn, warps in shapes:
             bm = default[1]
             tiles = -(-n // bn) * -(-m // bm)

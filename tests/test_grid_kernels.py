@@ -203,7 +203,7 @@ W8A16 = textwrap.dedent("""
     ref = dequantize_blocks(q.view(torch.float8_e4m3fn), s).to(torch.bfloat16).t()
     # the interpreter's config per K step of 128 (decode 0), and per 32-block (the decodes 1 and 2 run
     # the fp32 decode here: the interpreter has no inline asm)
-    for cfg in (None, (32, 16, 1, 4, 1, 2)):
+    for cfg in (None, (32, 16, 1, 4, 1, 2), (32, 16, 1, 4, 1, 3)):
         got = w8a16_gemm(eye, q.view(torch.float8_e4m3fn), s, cfg)
         assert torch.equal(got.view(torch.int16), ref.contiguous().view(torch.int16)), ("value path", cfg)
 
@@ -224,10 +224,10 @@ W8A16 = textwrap.dedent("""
             assert same >= 0.99, (m, n, k, cfg, float(same))
             assert torch.equal(w8a16_gemm(a, wq, ws, cfg).view(torch.int16), y.view(torch.int16))   # deterministic
     try:
-        w8a16_gemm(a, wq, ws, (32, 16, 1, 4, 1, 3))
-        raise SystemExit("decode 3 accepted")
+        w8a16_gemm(a, wq, ws, (32, 16, 1, 4, 1, 4))
+        raise SystemExit("decode 4 accepted")
     except ValueError as exc:
-        assert "decode 3" in str(exc)
+        assert "decode 4" in str(exc)
     try:
         w8a16_gemm(a[:, :96], wq[:, :96], ws[:, :3])
         raise SystemExit("K = 96 accepted")

@@ -136,27 +136,32 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, p_ptr,
     shifts = tl.arange(0, _SCALES_PER_WORD) * 8
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
-        if DECODE > 0:   # per 32-block (_dot_block)
+        if DECODE == 1 or DECODE == 2:   # per 32-block (_dot_block)
             word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
             for j in tl.static_range(_SCALES_PER_WORD):
                 kb = k0 + j * _BLOCK + tl.arange(0, _BLOCK)
                 qb = tl.load(q_base + kb[None, :], mask=n_ok[:, None], other=0)
                 hb = tl.load(x_base + kb[:, None], mask=m_ok[None, :], other=0)
                 acc = _dot_block(qb, (word >> (8 * j)) & _E8M0_BYTE_MASK, hb, acc, DECODE, HW)
-        else:            # per K step of 128, the fp32 decode (the kernel as first measured)
+        else:            # per K step of 128: the fp32 decode (0, the kernel as first measured) or the integer one (3)
             kk = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(q_base + kk[None, :], mask=n_ok[:, None], other=0)
             word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
             e = (word[:, None] >> shifts[None, :]) & _E8M0_BYTE_MASK               # [BLOCK_N, 4] scale bytes
-            d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
-                           (BLOCK_N, BLOCK_K))
-            v = _mul_f32_exact(_e4m3_to_f32(q, HW), d, HW)
             h = tl.load(x_base + kk[:, None], mask=m_ok[None, :], other=0)          # [BLOCK_K, BLOCK_M]
-            if HW:
-                acc = tl.dot(v.to(tl.bfloat16), h, acc)
-            else:   # the CPU interpreter has no bf16 dot; fp32 holds the same exact values
-                w = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))
-                acc = tl.dot(_bf16_bits_to_f32(w.to(tl.int16)), _bf16_bits_to_f32(h), acc)
+            if HW and DECODE == 3:
+                sb = tl.reshape(tl.broadcast_to(_e8m0_to_bf16(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
+                                (BLOCK_N, BLOCK_K))
+                acc = tl.dot(_e4m3_times_bf16(q, sb), h, acc)
+            else:
+                d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
+                               (BLOCK_N, BLOCK_K))
+                v = _mul_f32_exact(_e4m3_to_f32(q, HW), d, HW)
+                if HW:
+                    acc = tl.dot(v.to(tl.bfloat16), h, acc)
+                else:   # the CPU interpreter has no bf16 dot; fp32 holds the same exact values
+                    w = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))
+                    acc = tl.dot(_bf16_bits_to_f32(w.to(tl.int16)), _bf16_bits_to_f32(h), acc)
     if SPLIT_K == 1:
         y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
         if HW:
@@ -189,8 +194,9 @@ BLOCK_K = 4 * F.BLOCK_SIZE
 
 #: the weight decodes (the config's optional sixth field): 0 per K step of 128 in fp32 (``mul.rn.f32``, then
 #: a cast to bf16); 1 per 32-block with the GPU's E4M3 conversion; 2 per 32-block with integer and bf16x2
-#: ops only (``_e4m3_times_bf16``).  All three give the same bf16 weights for every allowed code.
-DECODES = (0, 1, 2)
+#: ops only (``_e4m3_times_bf16``); 3 per K step of 128 with the integer decode.  All four give the same bf16
+#: weights for every allowed code.
+DECODES = (0, 1, 2, 3)
 
 
 def w8a16_shape_ok(k: int) -> bool:
@@ -205,13 +211,14 @@ def w8a16_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, ...]:
     # measured on the H200 (benchmarks/bench_fast_path.py --w8a16-sweep, 2026-12-01, Qwen3-8B shapes at
     # M = 16 and 64): BLOCK_N 64 beats 128, a split of 2 beats 4 and 8 even where 64 tiles leave SMs
     # idle, and 3 stages beat 4 (by up to 1.45x at M = 64, where 4 stages cost occupancy)
-    # Decode 2 (integer ops, per 32-block: no conversion unit, no layout change) since the seventeenth
-    # session, from its compiled code (no F2F, no shared-memory round trip of the decoded tile)
+    # decode 0: the per-32-block decodes (1, 2) measured slower on the H200 (seventeenth session, 2026-12-03:
+    # 0.75-1.0x decode 0 at M = 64), though they compile to a loop with no conversion unit and no
+    # shared-memory round trip of the decoded tile
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bn = 64
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 2 if tiles < sms and k % (2 * BLOCK_K) == 0 and k // 2 >= 4 * BLOCK_K else 1
-    return bn, bm, split, 4, 3, 2
+    return bn, bm, split, 4, 3, 0
 
 
 @functools.lru_cache(maxsize=None)
