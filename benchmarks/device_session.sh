@@ -121,8 +121,8 @@ case "${1:-kernels}" in
     python3 benchmarks/bench_fast_path.py --out "$OUT/fast_path.jsonl" ${FAST_ARGS:-} 2>&1 | tee "$OUT/bench_fast_path.log" \
       | grep -v "^\s*$" | tail -60
     ;;
-  layers) # per-layer exactness inside a served model (dense 8B shape, MoE 30B shape)
-    for s in qwen3-8b qwen3-30b-a3b; do
+  layers) # per-layer exactness inside a served model (dense 8B shape, MoE 30B shape; LAYER_SHAPES: fewer)
+    for s in ${LAYER_SHAPES:-qwen3-8b qwen3-30b-a3b}; do
       VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=tests/gpu:$PYTHONPATH timeout 280 python3 tests/gpu/layer_capture.py --shape $s --layers 2 \
         --out "$OUT/layers-$s.json" ${2:+--grid-options "$2"} 2>&1 | grep -E "SUMMARY|LAYERS_|Error|error" | tail -8
     done
