@@ -13,10 +13,11 @@ Arms (bf16 activations and output, no bias), each the whole op as the engine cal
   grid_bf16copy ours with option bf16_weight_rows: qdq(x) + cuBLAS on a resident bf16 copy of W (2 bytes/weight more)
   grid_gemv     ours with option gemv_rows (M <= 64): x quantized to codes + scales + the decode GEMV (kernels/gemv_triton)
 
-``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode)
-per (shape, M in --sweep-ms) as arms ``w8a16:<config>`` (``--best-out F``: the fastest per M and shape); ``--band-out F`` writes the rows
-[lo, hi) where grid_w8a16 beats grid_marlin on the summed time of the shapes run (the
-``w8a16_rows`` option for an end-to-end run); ``--gemv-out F`` writes ``{"gemv_rows": R}``, R the
+``--w8a16-sweep`` also times other W8A16 configs (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages)
+per (shape, M in --sweep-ms) as arms ``w8a16:<config>`` (``--best-out F`` writes the fastest per
+M and shape); ``--band-out F`` writes the rows [lo, hi) where grid_w8a16 beats grid_marlin on
+the summed time of the shapes run (the ``w8a16_rows`` option for an end-to-end run);
+``--gemv-out F`` writes ``{"gemv_rows": R}``, R the
 largest M such that grid_gemv beats grid_marlin (summed over the shapes) at every measured M <= R.
 
 Timing: every arm captured in a CUDA graph over enough distinct weight copies that the weights
@@ -270,23 +271,18 @@ def main():
 
 
 def sweep_configs(m, n, k, sms, default):
-    """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages, decode): the default with
-    the first decode (fp32, per K step of 128); split-K 1 / 2 / 4 (deterministic) and 3 or 4 stages for: the
-    integer decode per K step (3) and the GPU-conversion decode per 32-block (1) at weight-row tiles of 64
-    (one warpgroup), the integer decode per 32-block (2) at 64 and 128 (two warpgroups: fewer re-reads
-    of the x tile from L2 per weight byte).  The seventeenth session also ran decode 2 at 128 rows with
-    4 warps and at 256 rows: always slower."""
-    default = tuple(default) + (() if len(default) > 5 else (0,))
-    out = {default, default[:5] + (0,)}
-    for decode, shapes in ((3, ((64, 4),)), (2, ((64, 4), (128, 8))), (1, ((64, 4),))):
-        for bn, warps in shapes:
-            bm = default[1]
-            tiles = -(-n // bn) * -(-m // bm)
-            for split in (1, 2, 4):
-                if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
-                    continue
-                for stages in (3, 4):
-                    out.add((bn, bm, split, warps, stages, decode))
+    """W8A16 configs around the default (BLOCK_N, BLOCK_M, SPLIT_K, warps, stages): weight-row tiles of
+    64 (one warpgroup), 128 and 256 (two warpgroups: fewer re-reads of the x tile from L2 per weight
+    byte), split-K 1 / 2 (deterministic), 3 or 4 stages."""
+    out = {tuple(default)}
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        bm = default[1]
+        tiles = -(-n // bn) * -(-m // bm)
+        for split in (1, 2):
+            if k % (128 * split) or k // split < 2 * 128 or tiles * split > 4 * sms:
+                continue
+            for stages in (3, 4):
+                out.add((bn, bm, split, warps, stages))
     return sorted(out)
 
 

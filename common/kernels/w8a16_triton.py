@@ -42,10 +42,6 @@ _SCALES_PER_WORD = tl.constexpr(4)                   # E8M0 bytes in one int32 s
 _E8M0_BYTE_MASK = tl.constexpr(F.E8M0_BYTE_MASK)     # one E8M0 byte of the word
 #: a masked-off scale word: four bytes of E8M0_BIAS (2^0)
 _E8M0_ONE_WORD = tl.constexpr(F.E8M0_BIAS * 0x01010101)
-_E8M0_NAN = tl.constexpr(F.E8M0_NAN)
-_BF16_MAN_BITS = tl.constexpr(7)
-_BF16_E8M0_MIN_BITS = tl.constexpr(0x0040)           # 2^-127: the bf16 subnormal of mantissa 0x40
-_BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
 
 
 @triton.jit
@@ -55,66 +51,9 @@ def _bf16_bits_to_f32(h):
 
 
 @triton.jit
-def _e8m0_to_bf16(e):
-    """E8M0 bytes (int32) -> bf16 2^(e-127), exactly: 0 -> 2^-127 (a bf16 subnormal), 255 -> NaN."""
-    bits = tl.where(e == 0, _BF16_E8M0_MIN_BITS, e << _BF16_MAN_BITS)
-    bits = tl.where(e == _E8M0_NAN, _BF16_NAN_BITS, bits)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _e4m3_times_bf16(q, s):
-    """uint8 E4M3 codes times bf16 powers of two, with integer and bf16x2 ops only (no conversion unit).
-
-    Two codes at a time: each byte goes to the high byte of a 16-bit lane (``prmt``); its sign stays at
-    bit 15 and its 4 exponent and 3 mantissa bits move to bf16's bits 10..4 (a shift and two masks).  The
-    lane is then the code's value times 2^-120 as a bf16 (normal codes as normals, the E4M3 subnormals
-    as bf16 subnormals), so one bf16 multiply by 2^120 restores the value exactly and a second one
-    applies the block scale, exactly for every scale byte >= 3 (``BF16_EXACT_MIN_SCALE``).  The NaN codes
-    (which the wire format forbids) would decode as +-480 -- as in Marlin's decode."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, u, c, z, o;
-        mov.b32 o, 0;
-        prmt.b32 t, $1, o, 0x1404;
-        shr.b32 u, t, 4;
-        and.b32 u, u, 0x07F007F0;
-        and.b32 t, t, 0x80008000;
-        or.b32 t, t, u;
-        mov.b32 c, 0x7B807B80;
-        mov.b32 z, 0x80008000;
-        fma.rn.bf16x2 t, t, c, z;
-        fma.rn.bf16x2 $0, t, $2, z;
-        }""",
-        constraints="=r,r,r", args=[q, s.to(tl.int16, bitcast=True)], dtype=tl.int16, is_pure=True,
-        pack=2).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _dot_block(q, e, h, acc, DECODE: tl.constexpr, HW: tl.constexpr):
-    """acc + dequant(one 32-block of codes q [BLOCK_N, 32], scale bytes e [BLOCK_N]) @ h [32, BLOCK_M].
-
-    One block at a time, its scale is one value per weight row, broadcast along K: Triton then loads
-    the codes from shared memory straight into the MMA's register layout and decodes them there
-    (``wgmma`` with A from registers), with no layout change through shared memory.
-    DECODE 1: the GPU's E4M3 conversion, bf16 multiply.  DECODE 2: ``_e4m3_times_bf16``."""
-    if HW:
-        if DECODE == 2:
-            w = _e4m3_times_bf16(q, tl.broadcast_to(_e8m0_to_bf16(e)[:, None], q.shape))
-        else:
-            w = q.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * _e8m0_to_bf16(e)[:, None]
-        return tl.dot(w, h, acc)
-    else:   # the CPU interpreter: the exact fp32 decode, and fp32 holds the same exact values
-        v = _mul_f32_exact(_e4m3_to_f32(q, HW), _e8m0_to_f32(e)[:, None], HW)
-        w = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))
-        return tl.dot(_bf16_bits_to_f32(w.to(tl.int16)), _bf16_bits_to_f32(h), acc)
-
-
-@triton.jit
 def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, p_ptr,
                   M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr,
-                  HW: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, HW: tl.constexpr):
     """One (BLOCK_N weight rows) x (BLOCK_M tokens) tile of y^T over one K split, K steps of 128.
 
     x_ptr: bf16 (HW) or its int16 bit patterns (interpreter); s_ptr: the E8M0 scales as int32 words,
@@ -136,32 +75,19 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, y_ptr, p_ptr,
     shifts = tl.arange(0, _SCALES_PER_WORD) * 8
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
-        if DECODE == 1 or DECODE == 2:   # per 32-block (_dot_block)
-            word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
-            for j in tl.static_range(_SCALES_PER_WORD):
-                kb = k0 + j * _BLOCK + tl.arange(0, _BLOCK)
-                qb = tl.load(q_base + kb[None, :], mask=n_ok[:, None], other=0)
-                hb = tl.load(x_base + kb[:, None], mask=m_ok[None, :], other=0)
-                acc = _dot_block(qb, (word >> (8 * j)) & _E8M0_BYTE_MASK, hb, acc, DECODE, HW)
-        else:            # per K step of 128: the fp32 decode (0, the kernel as first measured) or the integer one (3)
-            kk = k0 + tl.arange(0, BLOCK_K)
-            q = tl.load(q_base + kk[None, :], mask=n_ok[:, None], other=0)
-            word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
-            e = (word[:, None] >> shifts[None, :]) & _E8M0_BYTE_MASK               # [BLOCK_N, 4] scale bytes
-            h = tl.load(x_base + kk[:, None], mask=m_ok[None, :], other=0)          # [BLOCK_K, BLOCK_M]
-            if HW and DECODE == 3:
-                sb = tl.reshape(tl.broadcast_to(_e8m0_to_bf16(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
-                                (BLOCK_N, BLOCK_K))
-                acc = tl.dot(_e4m3_times_bf16(q, sb), h, acc)
-            else:
-                d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
-                               (BLOCK_N, BLOCK_K))
-                v = _mul_f32_exact(_e4m3_to_f32(q, HW), d, HW)
-                if HW:
-                    acc = tl.dot(v.to(tl.bfloat16), h, acc)
-                else:   # the CPU interpreter has no bf16 dot; fp32 holds the same exact values
-                    w = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))
-                    acc = tl.dot(_bf16_bits_to_f32(w.to(tl.int16)), _bf16_bits_to_f32(h), acc)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_base + kk[None, :], mask=n_ok[:, None], other=0)
+        word = tl.load(s_base + k0 // BLOCK_K, mask=n_ok, other=_E8M0_ONE_WORD)
+        e = (word[:, None] >> shifts[None, :]) & _E8M0_BYTE_MASK               # [BLOCK_N, 4] scale bytes
+        d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_N, _SCALES_PER_WORD, _BLOCK)),
+                       (BLOCK_N, BLOCK_K))
+        v = _mul_f32_exact(_e4m3_to_f32(q, HW), d, HW)
+        h = tl.load(x_base + kk[:, None], mask=m_ok[None, :], other=0)          # [BLOCK_K, BLOCK_M]
+        if HW:
+            acc = tl.dot(v.to(tl.bfloat16), h, acc)
+        else:   # the CPU interpreter has no bf16 dot; fp32 holds the same exact values
+            w = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))
+            acc = tl.dot(_bf16_bits_to_f32(w.to(tl.int16)), _bf16_bits_to_f32(h), acc)
     if SPLIT_K == 1:
         y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
         if HW:
@@ -192,33 +118,24 @@ def _splitk_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 #: the K step of the kernel: four E8M0 scale bytes, read as one int32 word
 BLOCK_K = 4 * F.BLOCK_SIZE
 
-#: the weight decodes (the config's optional sixth field): 0 per K step of 128 in fp32 (``mul.rn.f32``, then
-#: a cast to bf16); 1 per 32-block with the GPU's E4M3 conversion; 2 per 32-block with integer and bf16x2
-#: ops only (``_e4m3_times_bf16``); 3 per K step of 128 with the integer decode.  All four give the same bf16
-#: weights for every allowed code.
-DECODES = (0, 1, 2, 3)
-
 
 def w8a16_shape_ok(k: int) -> bool:
     """K must be whole K steps (K % 128; every Qwen3 projection is)."""
     return k > 0 and k % BLOCK_K == 0
 
 
-def w8a16_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_M, SPLIT_K, num_warps, num_stages[, decode]) for an M x N x K problem."""
+def w8a16_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, SPLIT_K, num_warps, num_stages) for an M x N x K problem."""
     if interpreting():
         return 32, 16, 2 if k % 256 == 0 else 1, 4, 1
     # measured on the H200 (benchmarks/bench_fast_path.py --w8a16-sweep, 2026-12-01, Qwen3-8B shapes at
     # M = 16 and 64): BLOCK_N 64 beats 128, a split of 2 beats 4 and 8 even where 64 tiles leave SMs
     # idle, and 3 stages beat 4 (by up to 1.45x at M = 64, where 4 stages cost occupancy)
-    # decode 0: the per-32-block decodes (1, 2) measured slower on the H200 (seventeenth session, 2026-12-03:
-    # 0.75-1.0x decode 0 at M = 64), though they compile to a loop with no conversion unit and no
-    # shared-memory round trip of the decoded tile
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bn = 64
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 2 if tiles < sms and k % (2 * BLOCK_K) == 0 and k // 2 >= 4 * BLOCK_K else 1
-    return bn, bm, split, 4, 3, 0
+    return bn, bm, split, 4, 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,10 +167,7 @@ def w8a16_gemm(x_grid: torch.Tensor, q: torch.Tensor, s: torch.Tensor, config=No
         return y
     if config is None:
         config = w8a16_config(m, n, k, _sm_count(x_grid.device.index) if x_grid.is_cuda else 132)
-    bn, bm, split, warps, stages, *rest = config
-    decode = int(rest[0]) if rest else 0
-    if decode not in DECODES:
-        raise ValueError(f"w8a16_gemm: decode {decode} is not one of {DECODES}")
+    bn, bm, split, warps, stages = config
     if k % (BLOCK_K * split):
         raise ValueError(f"w8a16_gemm: K={k} is not a multiple of 128 * SPLIT_K = {BLOCK_K * split}")
     x = x_grid.contiguous() if x_grid.stride(-1) != 1 else x_grid
@@ -267,8 +181,7 @@ def w8a16_gemm(x_grid: torch.Tensor, q: torch.Tensor, s: torch.Tensor, config=No
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _w8a16_kernel[grid](x if hw else x.view(torch.int16), q.view(torch.uint8), s.view(torch.int32),
                         y.view(torch.int16), p, m, n, k, x.stride(0), q.stride(0), s.stride(0) // 4, y.stride(0),
-                        BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, DECODE=decode, HW=hw,
-                        num_warps=warps, num_stages=stages)
+                        BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, HW=hw, num_warps=warps, num_stages=stages)
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](p, y.view(torch.int16), m * n, SPLIT_K=split,
