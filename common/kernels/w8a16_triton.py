@@ -5,7 +5,10 @@ on the H200 (an Ampere-style ``mma.sync`` kernel), and SGLang ships no MXFP8 GEM
 uses Triton's ``tl.dot``, a ``wgmma`` on sm_90, with the problem swapped (``y^T = W x^T``) so that
 the weight rows fill the MMA's 64-row side and the few tokens its narrow side.  Measured on the
 H200 (BENCHMARKS.md, 2026-12-01): exact, but slower than Marlin at every M (0.52x BF16 at M = 64
-summed over the 8B projections, Marlin 0.75x) -- the per-element decode is the bottleneck.  So it
+summed over the 8B projections, Marlin 0.75x).  The decode is not what limits it: decoding each
+32-block straight in the MMA's register layout, with the GPU's conversion or with integer and
+bf16x2 ops only (no conversion unit, no shared-memory round trip), measured no faster at M = 64
+(seventeenth session, 2026-12-03; that code is at commit 36e9058).  So it
 is the dense kernel where no Marlin exists (SGLang: ``grid_kernels/w8a16.py``), 1.1-1.9x the
 previous Triton grid GEMM there, and an off-by-default band (``w8a16_rows``) of vLLM's Marlin
 kernel.
