@@ -21,7 +21,8 @@ Keys (all optional)::
                                                                 # (2 bytes/weight more GPU memory; off: 0)
     marlin_configs: [[n, k, lo, hi, block, tk, tn, bps], ...]   # Marlin MoE's launch knobs per GEMM shape and rows
                                                                 # lo <= M < hi (dense layers: run as one expert);
-                                                                # grid_kernels/marlin_launch.py (off: [])
+                                                                # default: measured MoE rows on sm_90
+                                                                # (grid_kernels/marlin_launch.py; off: [])
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     router_dtype: float32                                       # MoE router logits in FP32 (Megatron's
                                                                 # moe_router_dtype=fp32; default: model dtype)

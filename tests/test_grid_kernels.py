@@ -437,6 +437,42 @@ def test_marlin_configs_reach_the_kernels(monkeypatch):
         MarlinLinear(spec(**cuda))
 
 
+def test_moe_layers_on_the_h200_take_the_measured_default_rows(monkeypatch, caplog):
+    """Without the option, a MoE layer on sm_90 takes MOE_DEFAULT_ROWS for its two GEMMs (the
+    Qwen3-30B-A3B experts' M = 1 rows); other platforms, other shapes, ``marlin_configs: []`` and rows
+    you set take none of them.  A default row the load probe refuses is dropped with a warning; a row
+    you set fails the load."""
+    from mxfp8_learner_grid.common.grid_kernels import marlin_launch as L
+    from mxfp8_learner_grid.common.grid_kernels import providers as P
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import MarlinMoE
+
+    class WithMoE:
+        def moe_gemm(self, *a, **kw):
+            raise AssertionError("not called on CPU")
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": WithMoE()})
+    moe30 = dict(device_type="cuda", capability=(9, 0), kind="moe", n=1536, k=2048, intermediate=768,
+                 num_experts=128, options={})
+    kern = MarlinMoE(spec(**moe30))
+    assert kern.cfg13 == [1, 2, 8, 128, 64, 2] and kern.cfg2 == [1, 2, 8, 128, 64, 2]
+    assert "marlin_configs defaults" in kern.describe()
+    assert L.parse_rows([list(r) for r in L.MOE_DEFAULT_ROWS[(9, 0)]])       # the defaults are valid rows
+    for other in (dict(capability=(8, 0)), dict(n=1024, intermediate=512), dict(options={"marlin_configs": []})):
+        k = MarlinMoE(spec(**dict(moe30, **other)))
+        assert k.cfg13 == [] and k.cfg2 == [] and "launch knobs" not in k.describe(), other
+    mine = MarlinMoE(spec(**dict(moe30, options={"marlin_configs": [[1536, 2048, 1, 5, 16, -1, -1, 1]]})))
+    assert mine.cfg13 == [1, 5, 16, -1, -1, 1] and mine.cfg2 == [] and "defaults" not in mine.describe()
+
+    def refuse(layer):
+        raise ValueError("x.w13: marlin_configs row [1536, 2048, 1, 2, 8, 128, 64, 2]: Marlin MoE refuses it")
+    kern._probe_rows = refuse
+    with caplog.at_level("WARNING", logger="mxfp8_learner_grid"):
+        kern._probe_launch_knobs(None)
+    assert kern.cfg13 == [] and kern.cfg2 == [] and "keeps Marlin's own launch" in caplog.text
+    mine._probe_rows = refuse
+    with pytest.raises(ValueError, match="Marlin MoE refuses it"):
+        mine._probe_launch_knobs(None)
+
+
 def test_marlin_configs_reach_a_layers_spec():
     """The option passes from quantization_config into each layer's spec (the filter of kernel options
     once dropped it: on the H200 the tuned launch then never ran)."""

@@ -22,6 +22,11 @@ of tile / blocks per SM).  N and K are the GEMM as one rank holds it (after tens
 
 Rows are parsed once (:func:`parse_rows`), the rows of one shape flattened once per layer
 (:func:`rows_for`), looked up per call by M (:func:`lookup`).
+
+**Defaults.**  Without the option, MoE layers on a platform of :data:`MOE_DEFAULT_ROWS` take its
+measured rows (the ones that beat Marlin's own launch there, end to end); dense layers take none (no
+knob beat the dense kernel on the H200).  ``marlin_configs: []`` turns the defaults off.  A default row
+that a layer's load probe refuses is dropped for that layer, with a warning (a row you set fails the load).
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ MAX_BLOCKS_PER_SM = 4
 #: a dense band ends at most here (the one-expert alignment is a view of an arange this long)
 MAX_ROWS = 8192
 _PER_SHAPE = 6          # lo, hi, block, thread_k, thread_n, blocks_per_sm
+
+#: measured MoE rows per compute capability, used when the option is absent.  (9, 0), the H200: the
+#: Qwen3-30B-A3B experts (w13 1536 x 2048, w2 2048 x 768) at one token, block 8, tile 128 x 64, 2 blocks
+#: per SM -- 1.12x Marlin's launch on the two expert GEMMs (``benchmarks/exp_marlin_tiles.py``, sixteenth
+#: session) and 1.03x end to end at concurrency 1 (199.1 against 193.3 tok/s, seventeenth session;
+#: BENCHMARKS.md).  Other expert shapes keep Marlin's own launch.
+MOE_DEFAULT_ROWS = {
+    (9, 0): ((1536, 2048, 1, 2, 8, 128, 64, 2), (2048, 768, 1, 2, 8, 128, 64, 2)),
+}
 
 
 def parse_rows(rows) -> tuple[tuple[int, ...], ...]:
@@ -70,14 +84,25 @@ def parse_rows(rows) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def rows_for(options: dict, n: int, k: int) -> list[int]:
-    """The option's rows for an (n, k) GEMM, flattened to [lo, hi, block, tk, tn, bps] * rows (a
-    custom op's ``int[]``)."""
+def uses_defaults(options: dict) -> bool:
+    """True when the option is absent: a layer then takes its platform's default rows, if any."""
+    return "marlin_configs" not in options
+
+
+def rows_for(options: dict, n: int, k: int, defaults: Sequence[Sequence[int]] = ()) -> list[int]:
+    """The option's rows for an (n, k) GEMM -- ``defaults`` when the option is absent -- flattened to
+    [lo, hi, block, tk, tn, bps] * rows (a custom op's ``int[]``)."""
+    rows = parse_rows(options["marlin_configs"]) if not uses_defaults(options) else parse_rows(list(defaults))
     flat: list[int] = []
-    for row in parse_rows(options.get("marlin_configs")):
+    for row in rows:
         if row[0] == n and row[1] == k:
             flat.extend(row[2:])
     return flat
+
+
+def moe_defaults(capability) -> tuple[tuple[int, ...], ...]:
+    """:data:`MOE_DEFAULT_ROWS` of a compute capability (none for others, or off the GPU)."""
+    return MOE_DEFAULT_ROWS.get(tuple(capability), ()) if capability else ()
 
 
 def bands(flat: Optional[Sequence[int]]):

@@ -33,6 +33,7 @@ write rebuilds only the written experts, in place.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -41,6 +42,8 @@ import torch.nn.functional as Fn
 from . import marlin_launch, providers
 from .base import GridKernel
 from .marlin import _marlin_supported, check_bf16_exact_weights, guard_bf16_exact_weights, marlin_scales, marlin_weight
+
+log = logging.getLogger("mxfp8_learner_grid")
 
 _BLOCK_SIZES = (8, 16, 32, 48, 64)
 
@@ -188,11 +191,14 @@ class MarlinMoE(GridKernel):
         super().__init__(spec)
         from .moe_gemv import moe_gemv_slots
         self.gemv_slots = moe_gemv_slots(spec)
-        self.cfg13 = marlin_launch.rows_for(spec.options, 2 * spec.intermediate, spec.k)
-        self.cfg2 = marlin_launch.rows_for(spec.options, spec.k, spec.intermediate)
+        defaults = marlin_launch.moe_defaults(spec.capability)
+        self.cfg13 = marlin_launch.rows_for(spec.options, 2 * spec.intermediate, spec.k, defaults)
+        self.cfg2 = marlin_launch.rows_for(spec.options, spec.k, spec.intermediate, defaults)
+        self.default_knobs = marlin_launch.uses_defaults(spec.options)
 
     def describe(self):
-        tuned = " (launch knobs from marlin_configs)" if self.cfg13 or self.cfg2 else ""
+        src = "marlin_configs defaults" if self.default_knobs else "marlin_configs"
+        tuned = f" (launch knobs from {src})" if self.cfg13 or self.cfg2 else ""
         return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin" + tuned
 
     def derived_names(self, layer):
@@ -233,7 +239,18 @@ class MarlinMoE(GridKernel):
     def _probe_launch_knobs(self, layer) -> None:
         """Each ``marlin_configs`` row of this layer, its GEMM run once at the row's first M (random tokens
         and routing, the token block the layer would use there), must compute what Marlin's own launch
-        does (``marlin_launch.probe``); else the load fails, naming the row."""
+        does (``marlin_launch.probe``); else the load fails, naming the row.  Default rows (the option
+        absent) that fail are dropped instead: the layer keeps Marlin's own launch, with a warning."""
+        try:
+            self._probe_rows(layer)
+        except ValueError as exc:
+            if not self.default_knobs:
+                raise
+            log.warning("mxfp8-learner-grid: %s; the layer keeps Marlin's own launch (set marlin_configs: [] to skip the "
+                           "default rows)", exc)
+            self.cfg13, self.cfg2 = [], []
+
+    def _probe_rows(self, layer) -> None:
         from ..kernels.qdq_triton import qdq_rows
         ops = providers.get("marlin")
         dev = layer.w13_weight.device

@@ -349,9 +349,14 @@ def moe_layer(e, h, i, seed=0, kernel=None, **opts):
 @pytest.mark.parametrize("t", [1, 16, 300, 2048])
 @pytest.mark.parametrize("ep", [False, True])
 def test_moe_matches_reference(t, ep):
+    """The MoE layer with its defaults -- on sm_90 the Qwen3-30B-A3B expert shape takes the default
+    marlin_configs rows at one token (marlin_launch.MOE_DEFAULT_ROWS) -- against the per-expert reference."""
+    from mxfp8_learner_grid.common.grid_kernels.marlin_launch import moe_defaults
     e, h, i, topk = 32, 2048, 768, 8
     layer = moe_layer(e, h, i, seed=t)
     assert layer.grid_kernel.name == "marlin"
+    if moe_defaults(torch.cuda.get_device_capability()):
+        assert layer.grid_kernel.cfg13 and "marlin_configs defaults" in layer.grid_kernel.describe()
     g = torch.Generator(device="cuda").manual_seed(7 + t)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     logits = torch.randn(t, 2 * e if ep else e, device="cuda", generator=g)
@@ -515,7 +520,7 @@ def test_silu_mul_qdq_equals_torch_bit_for_bit():
 def test_moe_triton_glue_equals_the_torch_glue(t, ep):
     from mxfp8_learner_grid.common.grid_kernels.marlin_moe import moe_marlin_torch_glue
     e, h, i, topk = 64, 2048, 768, 8
-    layer = moe_layer(e, h, i, seed=40 + t)
+    layer = moe_layer(e, h, i, seed=40 + t, marlin_configs=[])    # Marlin's own launch, as the torch glue's
     g = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     w, ids = torch.topk(torch.softmax(torch.randn(t, 2 * e if ep else e, device="cuda", generator=g), -1), topk)
