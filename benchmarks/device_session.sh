@@ -47,8 +47,9 @@ if [ "${HUMMING_ENV:-0}" = 1 ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 case "${1:-kernels}" in
-  gpu)    # every GPU test
-    python3 -m pytest -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+  gpu)    # every GPU test (GPU_TEST_ARGS: pytest's arguments, split by the shell; GPU_TEST_K: one -k expression)
+    python3 -m pytest -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests/gpu} ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -12
     ;;
   humming) # humming-kernels' W8A16 wgmma GEMM, stream-K off (option humming_rows): its GPU tests, then the experiment
     #        (exactness per config, then time against BF16 and Marlin); writes /tmp/humming_band.json for `e2e ... grid+`
