@@ -246,8 +246,8 @@ class MarlinMoE(GridKernel):
         except ValueError as exc:
             if not self.default_knobs:
                 raise
-            log.warning("mxfp8-learner-grid: %s; the layer keeps Marlin's own launch (set marlin_configs: [] to skip the "
-                           "default rows)", exc)
+            log.warning("mxfp8-learner-grid: %s; the layer keeps Marlin's own launch (marlin_configs: [] "
+                        "skips the default rows)", exc)
             self.cfg13, self.cfg2 = [], []
 
     def _probe_rows(self, layer) -> None:
