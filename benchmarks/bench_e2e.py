@@ -50,16 +50,23 @@ def make_model_dir(shape, layers=None):
     return d
 
 
-def worker(shape, arm, concs, grid_options, reps=1):
-    from vllm import LLM, SamplingParams
+def llm_kwargs(shape, arm, max_num_seqs, grid_options):
+    """``vllm.LLM``'s arguments for an arm: bf16, grid (the plugin's defaults), grid+ (with the options),
+    or a vLLM quantization method by name (fp8, mxfp8)."""
     kw = dict(model=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=1024, gpu_memory_utilization=0.85, max_num_seqs=max(concs))
+              max_model_len=1024, gpu_memory_utilization=0.85, max_num_seqs=max_num_seqs)
     if arm in ("grid", "grid+"):
         kw["quantization"] = "mxfp8-learner-grid"
         if arm == "grid+" and grid_options:
             kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(grid_options)}
     elif arm != "bf16":
         kw["quantization"] = arm
+    return kw
+
+
+def worker(shape, arm, concs, grid_options, reps=1):
+    from vllm import LLM, SamplingParams
+    kw = llm_kwargs(shape, arm, max(concs), grid_options)
     t0 = time.time()
     llm = LLM(**kw)
     load_s = time.time() - t0

@@ -80,16 +80,8 @@ def worker(shape, arm, conc, tokens, grid_options, top):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core (and its kernels) in this process
     import torch
     from vllm import LLM, SamplingParams
-    from bench_e2e import make_model_dir
-    kw = dict(model=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=1024, gpu_memory_utilization=0.85, max_num_seqs=conc)
-    if arm in ("grid", "grid+"):
-        kw["quantization"] = "mxfp8-learner-grid"
-        if arm == "grid+" and grid_options:
-            kw["hf_overrides"] = {"quantization_config_dict_json": json.dumps(grid_options)}
-    elif arm != "bf16":
-        kw["quantization"] = arm
-    llm = LLM(**kw)
+    from bench_e2e import llm_kwargs
+    llm = LLM(**llm_kwargs(shape, arm, conc, grid_options))
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randrange(1000, 100000) for _ in range(512)]} for _ in range(conc)]
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
