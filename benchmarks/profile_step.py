@@ -14,7 +14,8 @@ tokens.  Their difference, per kernel name, over ``--tokens`` is the kernel time
 (the prefill cancels).  Kernel names are grouped by :data:`FAMILIES` (first match).  One JSON line
 per (arm, family) with ``us_per_step``; ``--top`` kernels per arm are printed by name.
 
-Each arm runs in its own process (``--worker``), as in ``bench_e2e.py``.
+Each arm runs in its own process (``--worker``), as in ``bench_e2e.py``.  Without a GPU the same
+protocol profiles CPU time per op (``--layers 1 --conc 2 --tokens 4``: a dry run of the script).
 """
 
 from __future__ import annotations
@@ -50,14 +51,20 @@ def family(name: str) -> str:
     return "other"
 
 
-def kernel_us(prof) -> dict:
-    """Total device time per kernel name (us) of a finished torch.profiler session."""
+def kernel_us(prof, device: str = "CUDA") -> dict:
+    """Total device time per kernel name (us) of a finished torch.profiler session (``device="CPU"``:
+    self CPU time per op, for a dry run of this script without a GPU)."""
     out: dict = {}
     for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+        if device == "CPU":
+            t = e.self_cpu_time_total
+        else:
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if "CUDA" not in str(getattr(e, "device_type", "")):
+                t = 0
+        if t:
             out[e.key] = out.get(e.key, 0.0) + float(t)
     return out
 
@@ -76,24 +83,29 @@ def by_family(per_kernel: dict) -> dict:
     return out
 
 
-def worker(shape, arm, conc, tokens, grid_options, top):
+def worker(shape, arm, conc, tokens, grid_options, top, layers=None):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core (and its kernels) in this process
     import torch
     from vllm import LLM, SamplingParams
-    from bench_e2e import llm_kwargs
-    llm = LLM(**llm_kwargs(shape, arm, conc, grid_options))
+    from bench_e2e import llm_kwargs, make_model_dir
+    kw = llm_kwargs(shape, arm, conc, grid_options)
+    if layers:         # a dry run (--layers): fewer decoder layers
+        kw["model"] = make_model_dir(shape, layers)
+    cuda = torch.cuda.is_available()
+    llm = LLM(**kw)
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randrange(1000, 100000) for _ in range(512)]} for _ in range(conc)]
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
-    acts = [torch.profiler.ProfilerActivity.CUDA]
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     res = {}
     for n in (1, 1 + tokens):
         sp = SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0)
-        torch.cuda.synchronize()
+        sync()
         with torch.profiler.profile(activities=acts) as prof:
             llm.generate(prompts, sp, use_tqdm=False)
-            torch.cuda.synchronize()
-        res[n] = kernel_us(prof)
+            sync()
+        res[n] = kernel_us(prof, "CUDA" if cuda else "CPU")
     per_kernel = step_breakdown(res[1], res[1 + tokens], tokens)
     fams = by_family(per_kernel)
     print("ROW " + json.dumps({"families": {f: round(t, 1) for f, t in sorted(fams.items(), key=lambda x: -x[1])},
@@ -114,17 +126,19 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arm-timeout", type=int, default=400)
     ap.add_argument("--out", default="step.jsonl")
+    ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (a dry run of the script)")
     ap.add_argument("--worker", default="")
     args = ap.parse_args()
     opts = json.loads(args.grid_options) if args.grid_options else {}
     if args.worker:
-        return worker(args.shape, args.worker, args.conc, args.tokens, opts, args.top)
+        return worker(args.shape, args.worker, args.conc, args.tokens, opts, args.top, args.layers)
     import vllm
     commit = os.environ.get("GRID_COMMIT", "")
     rows = {}
     for arm in args.arms.split(","):
         cmd = [sys.executable, __file__, "--worker", arm, "--shape", args.shape, "--conc", str(args.conc),
-               "--tokens", str(args.tokens), "--grid-options", args.grid_options, "--top", str(args.top)]
+               "--tokens", str(args.tokens), "--grid-options", args.grid_options, "--top", str(args.top),
+               "--layers", str(args.layers)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
             text = r.stdout + r.stderr
