@@ -140,7 +140,7 @@ case "${1:-kernels}" in
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -25
     ;;
   w8a16)  # the W8A16 middle band: exactness (with every fast-path test; W8A16_TESTS=0 skips them), then the kernel
-          # benchmark and the config sweep (decodes, tiles, split-K); /tmp/band.json, /tmp/w8a16_best.json
+          # benchmark and the config sweep (tiles, split-K, stages); /tmp/band.json, /tmp/w8a16_best.json
     if [ "${W8A16_TESTS:-1}" = 1 ]; then
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fast_path.py 2>&1 | tee "$OUT/gpu_fast_tests.log" | tail -8
     fi
