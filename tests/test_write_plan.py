@@ -126,10 +126,10 @@ def test_the_plan_keeps_no_engine_memory_alive():
     assert ref() is None and not ad.plan.valid()
 
 
-def test_a_replay_sends_only_its_copies_through_the_recorder(monkeypatch):
-    """Each aten op under the recorder's dispatch mode costs tens of microseconds of Python: a replay passes
-    exactly one per write (the copy_), its quantizing and slicing run unrecorded; the recorder still sees,
-    attributes and boxes every copy."""
+def test_a_replay_passes_nothing_through_the_recorders_mode_and_is_still_accounted_for(monkeypatch):
+    """Each aten op under the recorder's dispatch mode costs tens of microseconds of Python: a replay of a
+    checked bucket passes none (its writes are recorded by the plan, its copies made in one
+    ``_foreach_copy_``), yet the recorder holds the same writes, attributed and boxed, and the backups."""
     from mxfp8_learner_grid.common.sync.recorder import WriteRecorder
     seen = []
     real = WriteRecorder.__torch_dispatch__
@@ -139,7 +139,53 @@ def test_a_replay_sends_only_its_copies_through_the_recorder(monkeypatch):
         return real(self, func, types, args, kwargs)
     ad = FusedAdapter()
     first = _update(ad, 1, _tensors(0))
+    before = {n: p.detach().clone() for n, p in ad.m.named_parameters()}
     monkeypatch.setattr(WriteRecorder, "__torch_dispatch__", counting)
-    second = _update(ad, 2, _tensors(1))
-    assert second.timings["replayed"] == 3 and _writes(second) == _writes(first)
-    assert seen == [torch.ops.aten.copy_.default] * len(second.recorder.writes)
+    new = _tensors(1)
+    s = UpdateSession(ad, Manifest.of(new, 2, "bf16"), digest="full")
+    s.load(list(new.items()))
+    assert s.timings["replayed"] == 3 and _writes(s) == _writes(first) and seen == []
+    assert set(s.recorder.backups) == {"qk", "norm"}
+    assert all(torch.equal(s.recorder.backups[n], before[n]) for n in before)
+    assert torch.equal(ad.m.qk[8:], new["k"])
+    rep = s.finish()
+    assert not rep.failed(), rep.summary()
+
+
+def test_a_replay_outside_a_checked_bucket_goes_through_the_recorders_mode():
+    """A plan called with tensors the recorder does not hold as checked sources (no session, or a caller
+    that skipped the bucket's content rules): each copy is seen by the mode, which runs the rules."""
+    from mxfp8_learner_grid.common.sync.recorder import WriteRecorder
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    bad = _tensors(1)
+    bad["norm"][3] = float("inf")
+    rec = WriteRecorder(dict(ad.m.named_parameters()))
+    for n, t in bad.items():
+        rec.add_source(t, n, "plain")               # registered, not checked
+    with pytest.raises(UpdateRejected, match="norm: holds NaN or Inf"):
+        with rec:
+            ad.load(list(bad.items()))
+    assert ad.plan.replayed == 3 and len(rec.writes) == 3 and set(rec.backups) == {"qk", "norm"}
+    assert rec.rollback() and torch.isfinite(ad.m.norm).all()
+
+
+def test_a_replay_refuses_a_dtype_cast_before_writing_anything():
+    """The plan's own accounting keeps the recorder's dtype rule: a parameter whose dtype changed under the
+    plan (an engine that re-cast it in place) is refused, naming the tensor, with nothing written."""
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    new = _tensors(1)
+    s = UpdateSession(ad, Manifest.of(new, 2, "bf16"), digest="full")
+    rec = s.recorder
+    before = ad.m.qk.detach().clone()
+    from mxfp8_learner_grid.common.sync import plan as plan_mod
+    real = plan_mod.slice_box
+    plan_mod.slice_box = lambda t, box: real(t, box).to(torch.float64) if t.dtype == torch.float32 and \
+        t.dim() == 1 and t.numel() == 32 and t is new["norm"] else real(t, box)
+    try:
+        with pytest.raises(UpdateRejected, match="norm: dtype torch.float64 would be cast into norm"):
+            s.load(list(new.items()))
+    finally:
+        plan_mod.slice_box = real
+    assert torch.equal(ad.m.qk, before) and rec is s.recorder

@@ -12,9 +12,10 @@ after an update that passed every check and was committed, the rank keeps, per l
 * the shard writes the loaders counted (``common.loading.count_write``) with their layers.
 
 A later update's tensor of the same name, shape and dtype is then written by replaying those copies
-(one ``copy_`` per box, still inside the session's recorder: attributed, dtype-checked, backed up) and
-counting the same shards, marking the same layers for their derived-tensor refresh -- without the
-module tree.  Everything the session checks stays checked against the layout it computes on its own
+(one per box, still accounted for by the session's recorder: attributed, dtype-checked, backed up --
+the plan hands the recorder each write it knows, then copies a bucket in one ``torch._foreach_copy_``
+per device pair and dtype, outside the recorder's Python dispatch mode) and counting the same shards,
+marking the same layers for their derived-tensor refresh -- without the module tree.  Everything the session checks stays checked against the layout it computes on its own
 (completeness, layout, byte identity, derived state, storage): a replay that wrote anything else
 would fail them like a loader bug.  The plan is dropped whenever it may no longer describe the engine:
 
@@ -37,7 +38,7 @@ import torch
 from .. import format as F
 from ..loading import HIGH_PRECISION, _expert_of, count_write
 from ..refresh import mark_written
-from .recorder import UNATTRIBUTED, note_derived_source, unrecorded
+from .recorder import UNATTRIBUTED, Write, active, note_derived_source, unrecorded
 from .regions import slice_box
 
 
@@ -123,19 +124,26 @@ class WritePlan:
     # -- replaying --------------------------------------------------------------------------------
     def load(self, named: list, engine_load: Callable[[list], None]) -> None:
         """Write ``named`` [(learner name, tensor)]: tensors the plan describes (same name, shape, dtype) by
-        replay, the rest through ``engine_load`` (the engine's own loader), in one call."""
+        replay, the rest through ``engine_load`` (the engine's own loader), in one call.
+
+        Inside an update whose recorder holds the tensor as a checked source (the session's buckets: their
+        content rules ran before the load), a replay's writes are accounted for with the recorder directly --
+        the plan knows each write's attribution and boxes -- and copied outside its dispatch mode, a bucket's
+        copies in one ``torch._foreach_copy_`` per device pair and dtype (:meth:`_copy`).  Otherwise each copy
+        passes the recorder's mode as a loader's would."""
         named = list(named)
         self.replayed = 0
         if self.entries and not self.valid():
             self.clear()
-        rest = []
-        for name, t in named:
-            e = self.entries.get(name)
-            if e is None or tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                rest.append((name, t))
-                continue
-            with unrecorded():                     # the quantizer and the views write nothing: only the copies
-                if e.quantized:                    # below pass through the recorder (one dispatch per write)
+        rec = active()
+        rest, batch, seen = [], [], []
+        with unrecorded():                 # the quantizer, the views and the accounting write no parameter
+            for name, t in named:
+                e = self.entries.get(name)
+                if e is None or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                    rest.append((name, t))
+                    continue
+                if e.quantized:
                     from .. import quantize_rows
                     q, s = quantize_rows(t)
                     src = {"data": q, "scale": s}
@@ -143,18 +151,45 @@ class WritePlan:
                     src = {e.writes[0][0]: t}
                 pairs = [(slice_box(self.params[pname][2](), dbox), slice_box(src[role], sbox))
                          for role, sbox, pname, dbox in e.writes]
+                if rec is not None and rec.checked_source(t, name) and all(w[2] in rec.params for w in e.writes):
+                    for (role, sbox, pname, dbox), (dest, part) in zip(e.writes, pairs):
+                        rec.record(Write(name, role, sbox, pname, dbox, tuple(src[role].shape)), dest, part)
+                    batch += pairs
+                else:
+                    seen.append((t, e, src, pairs))
+                self._count(t, e)
+        self._copy(batch)
+        for t, e, src, pairs in seen:              # each copy through the recorder's mode, as a loader's
             if e.quantized:
                 note_derived_source(src["data"], t, "data")
                 note_derived_source(src["scale"], t, "scale")
             with torch.no_grad():
                 for dest, part in pairs:
                     dest.copy_(part)
-            layers = [(ref(), param, key) for ref, param, key in e.shards]
-            for layer, param, key in layers:
-                count_write(layer, param, key, t)
-            for layer, expert in {(id(layer), _expert_of(key)): (layer, _expert_of(key))
-                                  for layer, _, key in layers}.values():
-                mark_written(layer, expert)
-            self.replayed += 1
         if rest:
             engine_load(rest)
+
+    @staticmethod
+    def _copy(pairs: list) -> None:
+        """The recorded replay's copies, grouped by (destination device, source device, dtype): one
+        ``torch._foreach_copy_`` per group, outside the recorder's mode (every write is accounted for already)."""
+        groups: dict = {}
+        for dest, part in pairs:
+            groups.setdefault((dest.device, part.device, dest.dtype), ([], []))
+            g = groups[(dest.device, part.device, dest.dtype)]
+            g[0].append(dest)
+            g[1].append(part)
+        with unrecorded(), torch.no_grad():
+            for dests, parts in groups.values():
+                torch._foreach_copy_(dests, parts)
+
+    def _count(self, t: torch.Tensor, e: _Entry) -> None:
+        """The replayed tensor's shard writes counted and its layers marked for their derived-tensor refresh,
+        as the loaders did."""
+        layers = [(ref(), param, key) for ref, param, key in e.shards]
+        for layer, param, key in layers:
+            count_write(layer, param, key, t)
+        for layer, expert in {(id(layer), _expert_of(key)): (layer, _expert_of(key))
+                              for layer, _, key in layers}.values():
+            mark_written(layer, expert)
+        self.replayed += 1

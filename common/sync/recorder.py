@@ -81,18 +81,29 @@ def note_derived_source(derived: torch.Tensor, origin: torch.Tensor, role: str) 
             rec.add_source(derived, src.name, role, checked=src.checked)
 
 
+def active() -> Optional["WriteRecorder"]:
+    """The recorder of the update being written, when exactly one is active (None: none, or nested ones)."""
+    return _ACTIVE[0] if len(_ACTIVE) == 1 else None
+
+
 @contextlib.contextmanager
 def unrecorded():
     """Run ops that write no parameter -- quantizing a received tensor, making the views a write plan copies
     between -- without passing each through the active recorders' Python dispatch (tens of microseconds per
     aten op, most of an update's time on the H200).  Only for our own code that provably writes no
     parameter: a ``copy_`` into the model under it would go unseen."""
-    if not _ACTIVE:
+    if not _ACTIVE or not _mode_on():
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes
     with _disable_current_modes():
         yield
+
+
+def _mode_on() -> bool:
+    """Is any Python dispatch mode on the stack (so that ops would pass through it)?"""
+    from torch._C import _len_torch_dispatch_stack
+    return _len_torch_dispatch_stack() > 0
 
 
 def note_shard_write(layer, param: str, key, loaded: torch.Tensor) -> None:
@@ -337,12 +348,35 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
             rule = None if (s is not None and s.checked) else content_rule(src, s.role if s else "plain")
             if rule is not None and src.numel():
                 self._pending.append((CONTENT_RULES[rule].format(sname), _breaks(rule, _flat(src))))
-        if self.backup and pname not in self.backups:
-            self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
+        self._back_up(pname, param)
         dbox = view_box(dest, param.shape, param.storage_offset())
         sbox = view_box(src, s.base_shape, s.base_offset) if (s is not None and isinstance(src, torch.Tensor)) \
             else None
         self.writes.append(Write(sname, s.role if s else "plain", sbox, pname, dbox, s.base_shape if s else None))
+
+    def _back_up(self, pname: str, param: torch.Tensor) -> None:
+        """The parameter's previous bytes, the first time an update touches it."""
+        if self.backup and pname not in self.backups:
+            self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
+
+    def record(self, write: Write, dest: torch.Tensor, src: torch.Tensor) -> None:
+        """Account for a copy of ``src`` into ``dest`` (a view of parameter ``write.param``) that the caller
+        is about to make outside the dispatch mode -- a write plan's replay, which knows each write's
+        attribution and boxes already, so that its copies need not pass the mode one by one.  Does what a
+        seen copy gets: the dtype rule (raises before anything is written), the backup, the write record.
+        The content rules are not run: the caller only replays sources that passed them
+        (:meth:`checked_source`)."""
+        if dest.dtype != src.dtype:
+            raise UpdateRejected(f"{write.source}: dtype {src.dtype} would be cast into {write.param} "
+                                 f"({dest.dtype}); send the parameter's dtype")
+        with unrecorded():                  # the backup's own copy writes no parameter (a no-op when the
+            self._back_up(write.param, self.params[write.param])     # caller left the mode already)
+        self.writes.append(write)
+
+    def checked_source(self, t: torch.Tensor, name: str) -> bool:
+        """Is ``t`` registered as learner tensor ``name`` with its content already checked?"""
+        s = self.source_of(t)
+        return s is not None and s.name == name and s.checked
 
     # -- undo ------------------------------------------------------------------------
     @torch.no_grad()
