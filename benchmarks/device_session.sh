@@ -8,6 +8,7 @@
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs)
+#   bash benchmarks/device_session.sh refresh         # a Marlin layer's refresh: the engine's repack vs the batched one
 #   bash benchmarks/device_session.sh replay [LAYERS]  # the write plan's replay alone: host time per write, both paths
 #   bash benchmarks/device_session.sh study           # consistency study, dense on GPU 0 and MoE on GPU 1
 #   bash benchmarks/device_session.sh study1 KIND [ARMS]   # consistency study of one model (dense|moe) on GPU 0
@@ -91,6 +92,9 @@ case "${1:-kernels}" in
     tag="${2:-qwen3-8b}_${5:-bfloat16}"
     python3 tests/gpu/vllm_engine_check.py --shape "${2:-qwen3-8b}" --layers "${3:-4}" --arms "${4:-grid,bf16}" \
       --dtype "${5:-bfloat16}" --arm-timeout 400 --out "$OUT/engine_$tag.json" 2>&1 | tee "$OUT/engine_$tag.log" | tail -40
+    ;;
+  refresh) # a Marlin layer's refresh after an update: the engine's repack (per expert) vs the batched one
+    python3 benchmarks/bench_refresh.py --out "$OUT/refresh.jsonl" 2>&1 | grep -v " INFO \| WARNING " | tail -8
     ;;
   replay) # the write plan's replay alone, host time per write: recorder's mode vs the plan's own accounting (no vLLM)
     python3 benchmarks/bench_replay.py --device cuda --layers "${2:-36}" --backup device --out "$OUT/replay.jsonl" \

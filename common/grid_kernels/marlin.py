@@ -30,12 +30,14 @@ The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a
 Derived tensors (allocated once, rewritten in place on every update, registered for the
 ``derived_state`` check): ``grid_marlin_weight`` (int32, Marlin's tiled layout) and
 ``grid_marlin_scale`` (E8M0 bytes, Marlin's permuted layout); with ``bf16_weight_rows``, also
-``grid_bf16_weight``.  The permutation is pure byte movement (no dtype round trip):
-:func:`marlin_scales`.
+``grid_bf16_weight``.  Both layouts are pure byte movement (no dtype round trip): :func:`marlin_scales`,
+and :func:`marlin_weights_batched`, which refreshes rewrite the packed weight with in place once the load
+found it equal to the engine's ``gptq_marlin_repack`` for that layer.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -43,6 +45,8 @@ import torch
 from .. import format as F
 from . import marlin_launch, providers
 from .base import GridKernel, LayerSpec, bf16_output_no_bias
+
+log = logging.getLogger(__name__)
 
 #: default M from which the dense layer takes the dequantize + cuBLAS path.  Measured on the H200
 #: (benchmarks/bench_fast_path.py, 2026-12-01): for every Qwen3-8B projection Marlin wins at M <= 64
@@ -60,22 +64,111 @@ def marlin_shape_ok(n: int, k: int) -> bool:
 
 
 def marlin_scales(s: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 scales [N, K/32] -> Marlin's layout [K/32, N] (uint8), by index permutation only.
+    """uint8 E8M0 scales [..., N, K/32] -> Marlin's layout [..., K/32, N] (uint8), by index permutation only;
+    leading dims (a MoE layer's experts) are permuted all at once.
 
     The same bytes vLLM's ``marlin_permute_scales`` + ``mxfp8_marlin_process_scales`` produce
     (they round-trip through the model dtype, which is exact for E8M0 255 > byte > 0 and 0)."""
-    n, g = s.shape
-    # both permutations are transposes of small blocks (8 x 8, then 2 x 2), done as views: indexing
-    # with the lists would copy an index tensor to the GPU and synchronize, on every refresh
-    t = s.t().contiguous().reshape(-1, _PERM_SIDE, _PERM_SIDE).transpose(1, 2).reshape(-1, n)
-    return t.reshape(-1, 2, 2).transpose(1, 2).reshape(g, n).contiguous()
+    *lead, n, g = s.shape
+    # both permutations are transposes of small blocks (8 x 8, then 2 x 2) of each matrix's row-major bytes,
+    # done as views: indexing with the lists would copy an index tensor to the GPU and synchronize, on every
+    # refresh.  The blocks (64 and 4 bytes) never straddle two matrices: N is a multiple of 64 (marlin_shape_ok)
+    t = s.transpose(-1, -2).contiguous().reshape(-1, _PERM_SIDE, _PERM_SIDE).transpose(1, 2).reshape(-1, n)
+    return t.reshape(-1, 2, 2).transpose(1, 2).reshape(*lead, g, n).contiguous()
 
 
 def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
-    """fp8 [N, K] -> Marlin's tiled int32 layout (``gptq_marlin_repack``, 8 bits)."""
+    """fp8 [N, K] -> Marlin's tiled int32 layout (``gptq_marlin_repack``, 8 bits): the engine's own op, the
+    reference that :func:`marlin_weights_batched` is checked against at load (:func:`batched_repack_ok`)."""
     n, k = w.shape
     q = w.contiguous().view(torch.int32).t().contiguous()        # [K/4, N], 4 codes per int32 along K
     return ops.repack(q, k, n)
+
+
+#: Marlin's tile (vLLM's ``GPTQ_MARLIN_TILE``): W^T [K, N] is reordered in 16 x 16 tiles
+MARLIN_TILE = 16
+#: the bytes one weight permutation (vLLM's ``get_weight_perm(8)``) orders: four tiles along N
+_WEIGHT_PERM_SPAN = 1024
+_WEIGHT_PERMS: dict = {}
+
+
+def weight_perm_8bit() -> list[int]:
+    """vLLM's ``get_weight_perm(num_bits=8, is_a_8bit=False)`` (``marlin_utils_test.py``): where each byte of a
+    1024-byte group of the tiled weight comes from -- the order in which Marlin's threads load the B
+    fragments of ``mma.sync`` m16n8k16 (two 8-column blocks per thread, four rows each), then the 8-bit
+    interleave [0, 2, 1, 3] of each 4-byte word."""
+    perm = []
+    for i in range(32):
+        col = i // 4
+        rows = (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)
+        one = [16 * row + col + 8 * block for block in (0, 1) for row in rows]
+        for j in range(4):
+            perm.extend(p + 256 * j for p in one)
+    interleave = (0, 2, 1, 3)
+    return [perm[w + i] for w in range(0, len(perm), 4) for i in interleave]
+
+
+def _weight_perm(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _WEIGHT_PERMS:               # once per device: no host-to-device copy on a refresh
+        _WEIGHT_PERMS[key] = torch.tensor(weight_perm_8bit(), dtype=torch.int64, device=device)
+    return _WEIGHT_PERMS[key]
+
+
+def batched_repack_shape_ok(n: int, k: int) -> bool:
+    """:func:`marlin_weights_batched` needs whole tiles and whole 1024-byte groups: N % 64 and K % 16."""
+    return n % (_WEIGHT_PERM_SPAN // MARLIN_TILE) == 0 and k % MARLIN_TILE == 0
+
+
+#: the largest transient copy a batched repack makes (its permuting copy), in bytes: a MoE layer's experts are
+#: repacked in groups of at most this size, so that a refresh or a check needs no more transient memory than
+#: one matrix or this much, whichever is larger
+REPACK_CHUNK_BYTES = 64 << 20
+
+
+def marlin_weights_batched(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp8 [..., N, K] -> Marlin's tiled int32 layout [..., K/16, 4 N]: for each [N, K] matrix the bytes
+    ``gptq_marlin_repack`` (8 bits, no act-order) makes of it, all leading dims (a MoE layer's experts) at
+    once.  The layout is a byte permutation -- byte ``(r, 1024 g + j)`` of the result is ``W[n, k]`` with
+    ``t = 1024 g + perm[j]``, ``k = 16 r + (t % 256) // 16``, ``n = 16 (t // 256) + t % 16`` (vLLM's
+    ``marlin_permute_weights`` + ``marlin_weights``; 4 bytes per int32, little-endian) -- so it is one
+    permuting copy and one gather per group of matrices (:data:`REPACK_CHUNK_BYTES`), where the engine's op
+    is one launch and two transposing copies per matrix.  ``out`` (contiguous, the result's shape): written
+    in place, and returned."""
+    *lead, n, k = w.shape
+    if not batched_repack_shape_ok(n, k):
+        raise ValueError(f"marlin_weights_batched: N={n}, K={k} is not a multiple of (64, 16)")
+    t_ = MARLIN_TILE
+    shape = (*lead, k // t_, n * t_ // 4)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32, device=w.device)
+    elif not out.is_contiguous() or tuple(out.shape) != shape or out.dtype != torch.int32 or out.device != w.device:
+        raise ValueError(f"marlin_weights_batched: out must be contiguous int32 {list(shape)} on {w.device}; "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    groups = n * t_ // _WEIGHT_PERM_SPAN
+    codes = w.reshape(-1, n, k).view(torch.uint8)
+    dest = out.view(-1, k // t_, n * t_ // 4).view(torch.uint8).view(-1, k // t_, groups, _WEIGHT_PERM_SPAN)
+    perm = _weight_perm(w.device)
+    step = max(1, REPACK_CHUNK_BYTES // (n * k))
+    for lo in range(0, codes.shape[0], step):
+        part = codes[lo:lo + step]
+        tiles = (part.reshape(-1, n // t_, t_, k // t_, t_)             # [E, N/16, n, K/16, k]
+                 .permute(0, 3, 1, 4, 2)                                # [E, K/16, N/16, k, n]
+                 .reshape(-1, k // t_, groups, _WEIGHT_PERM_SPAN))
+        torch.index_select(tiles, -1, perm, out=dest[lo:lo + step])
+    return out
+
+
+def batched_repack_ok(w: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Does :func:`marlin_weights_batched` of the fp8 weights ``w`` [..., N, K] give exactly ``packed`` (what
+    the engine's ``gptq_marlin_repack`` made of them)?  Checked once per layer at load; a layer where it does
+    not (another Marlin layout in another vLLM version, or a shape it does not take) keeps the engine's op
+    for its refreshes.  One synchronization."""
+    n, k = w.shape[-2:]
+    if not batched_repack_shape_ok(n, k):
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(marlin_weights_batched(w), packed))
 
 
 #: the largest M the decode GEMV is built for (``kernels/gemv_triton``: BLOCK_M 16 ... 64)
@@ -252,6 +345,7 @@ class MarlinLinear(GridKernel):
         self.w8a16 = (int(lo), int(hi)) if w8a16_shape_ok(spec.k) else (0, 0)
         self.bf16_copy = Bf16WeightCopy(spec)
         self.gemv_rows = gemv_band(spec)
+        self.batched = False       # refreshes repack with marlin_weights_batched (checked at load), not the engine's op
         from .humming import HummingBand
         self.humming = HummingBand(spec)
         self.one_expert = marlin_launch.rows_for(spec.options, spec.n, spec.k)
@@ -268,6 +362,10 @@ class MarlinLinear(GridKernel):
         if not hasattr(layer, "grid_marlin_weight"):
             self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
+            self.batched = batched_repack_ok(layer.weight, layer.grid_marlin_weight)
+            if not self.batched:
+                log.warning("mxfp8-learner-grid: %s: the batched Marlin repack differs from the engine's "
+                            "gptq_marlin_repack here; its updates repack with the engine's op", self.spec.prefix)
             # Marlin MoE's locks: one per thread block, up to MAX_BLOCKS_PER_SM per SM (marlin_configs)
             per_sm = marlin_launch.MAX_BLOCKS_PER_SM if self.one_expert else 1
             self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device, per_sm))
@@ -298,14 +396,19 @@ class MarlinLinear(GridKernel):
         ops = providers.get("marlin")
         guard_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         with torch.no_grad():
-            layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
+            if self.batched:                 # in place: one permuting copy and one gather, no engine call
+                marlin_weights_batched(layer.weight, out=layer.grid_marlin_weight)
+            else:
+                layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
             layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
         self.bf16_copy.refresh(layer)
         self.humming.refresh(layer)
 
     def derived(self, layer):
         ops = providers.get("marlin")
-        return {"grid_marlin_weight": (layer.grid_marlin_weight, lambda: marlin_weight(ops, layer.weight)),
+        build = (lambda: marlin_weights_batched(layer.weight)) if self.batched else \
+            (lambda: marlin_weight(ops, layer.weight))
+        return {"grid_marlin_weight": (layer.grid_marlin_weight, build),
                 "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv)),
                 **self.bf16_copy.derived(layer), **self.humming.derived(layer)}
 

@@ -28,7 +28,10 @@ With the option ``moe_gemv_slots: S``, up to S routed slots (decode) go to the e
 
 Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
 ``grid_marlin_w13_scale`` / ``grid_marlin_w2_scale`` (permuted E8M0 bytes); a refresh after a
-write rebuilds only the written experts, in place.
+write rebuilds only the written experts, in place.  At load they are built with the engine's op,
+expert by expert; then, if ``marlin.marlin_weights_batched`` gives the same bytes for the whole
+layer, refreshes and the ``derived_state`` check repack each run of written experts at once (a
+few launches per layer instead of several per expert); otherwise, with a warning, the op.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch.nn.functional as Fn
 
 from . import marlin_launch, providers
 from .base import GridKernel
-from .marlin import _marlin_supported, check_bf16_exact_weights, guard_bf16_exact_weights, marlin_scales, marlin_weight
+from .marlin import (_marlin_supported, batched_repack_ok, check_bf16_exact_weights, guard_bf16_exact_weights,
+                     marlin_scales, marlin_weight, marlin_weights_batched)
 
 log = logging.getLogger("mxfp8_learner_grid")
 
@@ -163,6 +167,19 @@ def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, gl
     return torch.empty_like(x)
 
 
+
+def expert_runs(n: int, experts=None) -> list[tuple[int, int]]:
+    """[lo, hi) runs of consecutive local expert ids among ``experts`` (None: all ``n``), for batched refreshes."""
+    if experts is None:
+        return [(0, n)] if n else []
+    runs: list = []
+    for e in sorted(set(int(x) for x in experts)):
+        if runs and runs[-1][1] == e:
+            runs[-1][1] = e + 1
+        else:
+            runs.append([e, e + 1])
+    return [tuple(r) for r in runs]
+
 class MarlinMoE(GridKernel):
     name = "marlin"
     kind = "moe"
@@ -195,6 +212,7 @@ class MarlinMoE(GridKernel):
         self.cfg13 = marlin_launch.rows_for(spec.options, 2 * spec.intermediate, spec.k, defaults)
         self.cfg2 = marlin_launch.rows_for(spec.options, spec.k, spec.intermediate, defaults)
         self.default_knobs = marlin_launch.uses_defaults(spec.options)
+        self.batched = False       # refreshes repack all experts at once (marlin_weights_batched, checked at load)
 
     def describe(self):
         src = "marlin_configs defaults" if self.default_knobs else "marlin_configs"
@@ -215,7 +233,8 @@ class MarlinMoE(GridKernel):
         return marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[e])
 
     def _stack(self, layer, which: str):
-        return self._stack_of(self._packed, layer, which), self._stack_of(self._scales, layer, which)
+        """The engine's op per expert (the reference the batched repack is checked against), scales batched."""
+        return self._stack_of(self._packed, layer, which), marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))
 
     @staticmethod
     def _stack_of(build, layer, which: str):
@@ -230,6 +249,12 @@ class MarlinMoE(GridKernel):
                 w, s = self._stack(layer, which)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
+            self.batched = all(batched_repack_ok(getattr(layer, f"{which}_weight"), getattr(layer, f"grid_marlin_{which}"))
+                               for which in ("w13", "w2"))
+            if not self.batched:
+                log.warning("mxfp8-learner-grid: %s: the batched Marlin repack differs from the engine's "
+                            "gptq_marlin_repack here; its updates repack expert by expert with the engine's op",
+                            self.spec.prefix)
             workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
             self._probe_launch_knobs(layer)
@@ -282,6 +307,14 @@ class MarlinMoE(GridKernel):
             guard_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
                                      f"{self.spec.prefix}.{which}")
         with torch.no_grad():
+            if self.batched:                 # each run of written experts at once, in place
+                for lo, hi in expert_runs(n, experts):
+                    for which in ("w13", "w2"):
+                        marlin_weights_batched(getattr(layer, f"{which}_weight")[lo:hi],
+                                               out=getattr(layer, f"grid_marlin_{which}")[lo:hi])
+                        getattr(layer, f"grid_marlin_{which}_scale")[lo:hi].copy_(
+                            marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[lo:hi]))
+                return
             for e in (range(n) if experts is None else experts):
                 for which in ("w13", "w2"):
                     w, s = self._build(layer, which, e)
@@ -292,10 +325,13 @@ class MarlinMoE(GridKernel):
         out = {}
         for which in ("w13", "w2"):
             # each builder rebuilds only its own tensor (the derived_state check calls both)
-            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
-                                           lambda which=which: self._stack_of(self._packed, layer, which))
+            if self.batched:
+                build = lambda which=which: marlin_weights_batched(getattr(layer, f"{which}_weight"))  # noqa: E731
+            else:
+                build = lambda which=which: self._stack_of(self._packed, layer, which)                  # noqa: E731
+            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"), build)
             out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
-                                                 lambda which=which: self._stack_of(self._scales, layer, which))
+                                                 lambda which=which: marlin_scales(getattr(layer, f"{which}_weight_scale_inv")))
         return out
 
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
