@@ -12,7 +12,9 @@ Protocol (``bench_e2e.py``'s: dummy weights of the real shapes, 512 prompt token
 warm-up batch, then two profiled batches of the same prompts, with 1 and with 1 + ``--tokens`` output
 tokens.  Their difference, per kernel name, over ``--tokens`` is the kernel time of one decode step
 (the prefill cancels).  Kernel names are grouped by :data:`FAMILIES` (first match).  One JSON line
-per (arm, family) with ``us_per_step``; ``--top`` kernels per arm are printed by name.
+per (arm, family) with ``us_per_step`` and ``launches_per_step``, and the step's wall time measured the
+same way without the profiler (``wall_step_us``: what kernels do not explain is host time and gaps);
+``--top`` kernels per arm are printed by name.
 
 Each arm runs in its own process (``--worker``), as in ``bench_e2e.py``.  Without a GPU the same
 protocol profiles CPU time per op (``--layers 1 --conc 2 --tokens 4``: a dry run of the script).
@@ -51,9 +53,10 @@ def family(name: str) -> str:
     return "other"
 
 
-def kernel_us(prof, device: str = "CUDA") -> dict:
+def kernel_us(prof, device: str = "CUDA", counts: dict | None = None) -> dict:
     """Total device time per kernel name (us) of a finished torch.profiler session (``device="CPU"``:
-    self CPU time per op, for a dry run of this script without a GPU)."""
+    self CPU time per op, for a dry run of this script without a GPU); ``counts``, if given, gets the
+    number of launches per name."""
     out: dict = {}
     for e in prof.key_averages():
         if device == "CPU":
@@ -66,6 +69,8 @@ def kernel_us(prof, device: str = "CUDA") -> dict:
                 t = 0
         if t:
             out[e.key] = out.get(e.key, 0.0) + float(t)
+            if counts is not None:
+                counts[e.key] = counts.get(e.key, 0) + int(getattr(e, "count", 0) or 0)
     return out
 
 
@@ -98,18 +103,31 @@ def worker(shape, arm, conc, tokens, grid_options, top, layers=None):
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    res = {}
+    import time
+    res, cnt, wall = {}, {}, {}
     for n in (1, 1 + tokens):
         sp = SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0)
+        times = []
+        for _ in range(2):                 # wall time without the profiler (it slows the host)
+            sync()
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            sync()
+            times.append(time.perf_counter() - t0)
+        wall[n] = min(times)
         sync()
         with torch.profiler.profile(activities=acts) as prof:
             llm.generate(prompts, sp, use_tqdm=False)
             sync()
-        res[n] = kernel_us(prof, "CUDA" if cuda else "CPU")
+        cnt[n] = {}
+        res[n] = kernel_us(prof, "CUDA" if cuda else "CPU", cnt[n])
     per_kernel = step_breakdown(res[1], res[1 + tokens], tokens)
     fams = by_family(per_kernel)
+    launches = by_family(step_breakdown(cnt[1], cnt[1 + tokens], tokens))
+    wall_us = (wall[1 + tokens] - wall[1]) / tokens * 1e6
     print("ROW " + json.dumps({"families": {f: round(t, 1) for f, t in sorted(fams.items(), key=lambda x: -x[1])},
-                               "step_us": round(sum(fams.values()), 1),
+                               "launches": {f: round(c, 1) for f, c in sorted(launches.items(), key=lambda x: -x[1])},
+                               "step_us": round(sum(fams.values()), 1), "wall_step_us": round(wall_us, 1),
                                "top": [[n, round(t, 1)] for n, t in sorted(per_kernel.items(),
                                                                            key=lambda x: -x[1])[:top]]}), flush=True)
     sys.stdout.flush()
@@ -149,9 +167,10 @@ def main():
             print(f"{arm}: no result\n" + "\n".join(text.splitlines()[-25:]), flush=True)
             continue
         rows[arm] = got[0]
-        print(f"{args.shape} {arm} conc {args.conc}: {got[0]['step_us']:.0f} us of kernels per decode step", flush=True)
+        print(f"{args.shape} {arm} conc {args.conc}: {got[0]['step_us']:.0f} us of kernels per decode step, "
+              f"{got[0].get('wall_step_us', 0):.0f} us of wall time", flush=True)
         for f, t in got[0]["families"].items():
-            print(f"    {f:28s} {t:9.1f}", flush=True)
+            print(f"    {f:28s} {t:9.1f} us  {got[0].get('launches', {}).get(f, 0):7.1f} launches", flush=True)
         for n, t in got[0]["top"]:
             print(f"      {t:9.1f}  {n[:110]}", flush=True)
     with open(args.out, "a") as out:
@@ -159,6 +178,8 @@ def main():
             for f, t in r["families"].items():
                 out.write(json.dumps({"date": datetime.date.today().isoformat(), "shape": args.shape, "arm": arm,
                                       "conc": args.conc, "family": f, "us_per_step": t, "step_us": r["step_us"],
+                                      "launches_per_step": r.get("launches", {}).get(f),
+                                      "wall_step_us": r.get("wall_step_us"),
                                       "engine": f"vllm {vllm.__version__}", "commit": commit,
                                       **({"options": opts} if arm == "grid+" and opts else {})}) + "\n")
     base = rows.get("bf16")
@@ -169,6 +190,10 @@ def main():
                       f"step; by family (arm - bf16, us): " + ", ".join(
                           f"{f} {r['families'].get(f, 0) - base['families'].get(f, 0):+.0f}"
                           for f in sorted(set(r["families"]) | set(base["families"]))), flush=True)
+                print(f"{args.shape} {arm} conc {args.conc}: wall {r.get('wall_step_us', 0):.0f} us per step against "
+                      f"bf16's {base.get('wall_step_us', 0):.0f}; not in kernels (host, gaps): "
+                      f"{r.get('wall_step_us', 0) - r['step_us']:.0f} us against {base.get('wall_step_us', 0) - base['step_us']:.0f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
