@@ -192,7 +192,8 @@ def main():
                           for f in sorted(set(r["families"]) | set(base["families"]))), flush=True)
                 print(f"{args.shape} {arm} conc {args.conc}: wall {r.get('wall_step_us', 0):.0f} us per step against "
                       f"bf16's {base.get('wall_step_us', 0):.0f}; not in kernels (host, gaps): "
-                      f"{r.get('wall_step_us', 0) - r['step_us']:.0f} us against {base.get('wall_step_us', 0) - base['step_us']:.0f}",
+                      f"{r.get('wall_step_us', 0) - r['step_us']:.0f} us against "
+                      f"{base.get('wall_step_us', 0) - base['step_us']:.0f}",
                       flush=True)
 
 

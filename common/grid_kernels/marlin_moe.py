@@ -167,7 +167,6 @@ def _(x, w13, w13_s, w2, w2_s, workspace, topk_weights, topk_ids, expert_map, gl
     return torch.empty_like(x)
 
 
-
 def expert_runs(n: int, experts=None) -> list[tuple[int, int]]:
     """[lo, hi) runs of consecutive local expert ids among ``experts`` (None: all ``n``), for batched refreshes."""
     if experts is None:
@@ -179,6 +178,7 @@ def expert_runs(n: int, experts=None) -> list[tuple[int, int]]:
         else:
             runs.append([e, e + 1])
     return [tuple(r) for r in runs]
+
 
 class MarlinMoE(GridKernel):
     name = "marlin"
@@ -249,8 +249,8 @@ class MarlinMoE(GridKernel):
                 w, s = self._stack(layer, which)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
-            self.batched = all(batched_repack_ok(getattr(layer, f"{which}_weight"), getattr(layer, f"grid_marlin_{which}"))
-                               for which in ("w13", "w2"))
+            self.batched = all(batched_repack_ok(getattr(layer, f"{which}_weight"),
+                                                 getattr(layer, f"grid_marlin_{which}")) for which in ("w13", "w2"))
             if not self.batched:
                 log.warning("mxfp8-learner-grid: %s: the batched Marlin repack differs from the engine's "
                             "gptq_marlin_repack here; its updates repack expert by expert with the engine's op",
@@ -330,8 +330,8 @@ class MarlinMoE(GridKernel):
             else:
                 build = lambda which=which: self._stack_of(self._packed, layer, which)                  # noqa: E731
             out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"), build)
-            out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
-                                                 lambda which=which: marlin_scales(getattr(layer, f"{which}_weight_scale_inv")))
+            scales = lambda which=which: marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))     # noqa: E731
+            out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"), scales)
         return out
 
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):

@@ -15,7 +15,8 @@ A later update's tensor of the same name, shape and dtype is then written by rep
 (one per box, still accounted for by the session's recorder: attributed, dtype-checked, backed up --
 the plan hands the recorder each write it knows, then copies a bucket in one ``torch._foreach_copy_``
 per device pair and dtype, outside the recorder's Python dispatch mode) and counting the same shards,
-marking the same layers for their derived-tensor refresh -- without the module tree.  Everything the session checks stays checked against the layout it computes on its own
+marking the same layers for their derived-tensor refresh -- without the module tree.  Everything the
+session checks stays checked against the layout it computes on its own
 (completeness, layout, byte identity, derived state, storage): a replay that wrote anything else
 would fail them like a loader bug.  The plan is dropped whenever it may no longer describe the engine:
 
@@ -136,7 +137,7 @@ class WritePlan:
         if self.entries and not self.valid():
             self.clear()
         rec = active()
-        rest, batch, seen = [], [], []
+        rest, batch, seen, done = [], [], [], []
         with unrecorded():                 # the quantizer, the views and the accounting write no parameter
             for name, t in named:
                 e = self.entries.get(name)
@@ -157,7 +158,7 @@ class WritePlan:
                     batch += pairs
                 else:
                     seen.append((t, e, src, pairs))
-                self._count(t, e)
+                done.append((t, e))
         self._copy(batch)
         for t, e, src, pairs in seen:              # each copy through the recorder's mode, as a loader's
             if e.quantized:
@@ -166,6 +167,8 @@ class WritePlan:
             with torch.no_grad():
                 for dest, part in pairs:
                     dest.copy_(part)
+        for t, e in done:                          # after the bytes landed: a refresh outside a deferred scope
+            self._count(t, e)                      # rebuilds from them
         if rest:
             engine_load(rest)
 
