@@ -86,6 +86,16 @@ def test_batched_repack_of_many_experts_at_once_and_in_place(monkeypatch):
     assert not batched_repack_ok(_codes(96, 128), ref)
 
 
+def test_a_batched_repack_that_fails_on_the_device_is_not_used(monkeypatch):
+    from mxfp8_learner_grid.common.grid_kernels import marlin as M
+    w = _codes(64, 128)
+
+    def broken(*a, **kw):
+        raise RuntimeError("index_select_out: not implemented for this device")
+    monkeypatch.setattr(M.torch, "index_select", broken)
+    assert not batched_repack_ok(w, _vllm_reference(w))
+
+
 def test_batched_scale_permutation_equals_the_per_matrix_one():
     s = torch.randint(0, 255, (6, 256, 16), dtype=torch.uint8)
     assert torch.equal(marlin_scales(s), torch.stack([marlin_scales(s[e]) for e in range(6)]))

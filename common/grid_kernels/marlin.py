@@ -162,13 +162,17 @@ def marlin_weights_batched(w: torch.Tensor, out: Optional[torch.Tensor] = None) 
 def batched_repack_ok(w: torch.Tensor, packed: torch.Tensor) -> bool:
     """Does :func:`marlin_weights_batched` of the fp8 weights ``w`` [..., N, K] give exactly ``packed`` (what
     the engine's ``gptq_marlin_repack`` made of them)?  Checked once per layer at load; a layer where it does
-    not (another Marlin layout in another vLLM version, or a shape it does not take) keeps the engine's op
-    for its refreshes.  One synchronization."""
+    not (another Marlin layout in another vLLM version, a shape it does not take, or a device where its ops
+    fail) keeps the engine's op for its refreshes.  One synchronization."""
     n, k = w.shape[-2:]
     if not batched_repack_shape_ok(n, k):
         return False
-    with torch.no_grad():
-        return bool(torch.equal(marlin_weights_batched(w), packed))
+    try:
+        with torch.no_grad():
+            return bool(torch.equal(marlin_weights_batched(w), packed))
+    except (RuntimeError, ValueError) as exc:        # e.g. an op this torch build lacks on the device
+        log.warning("mxfp8-learner-grid: the batched Marlin repack failed (%s)", exc)
+        return False
 
 
 #: the largest M the decode GEMV is built for (``kernels/gemv_triton``: BLOCK_M 16 ... 64)
