@@ -118,17 +118,21 @@ def _scales(*shape, seed=0):
     return torch.randint(110, 130, shape, dtype=torch.uint8, generator=g)
 
 
-def _dense(ops, monkeypatch):
-    from mxfp8_learner_grid.common.grid_kernels.marlin import MarlinLinear
-    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": ops})
-    kern = MarlinLinear(_spec())
+def _processed(kern, **params):
+    """A layer holding ``params`` whose weights ``kern`` processed, as an engine's first load leaves it."""
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(_codes(256, 512, seed=1), requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(_scales(256, 16, seed=1), requires_grad=False)
+    for name, t in params.items():
+        setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
     layer.grid_kernel = kern
     kern.process_weights_after_loading(layer)
     layer.grid_processed = True
     return kern, layer
+
+
+def _dense(ops, monkeypatch):
+    from mxfp8_learner_grid.common.grid_kernels.marlin import MarlinLinear
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": ops})
+    return _processed(MarlinLinear(_spec()), weight=_codes(256, 512, seed=1), weight_scale_inv=_scales(256, 16, seed=1))
 
 
 def test_a_dense_layer_refreshes_in_place_with_the_batched_repack(monkeypatch):
@@ -164,15 +168,9 @@ def _moe(ops, monkeypatch, e=4, h=128, inter=64):
     monkeypatch.setattr(P, "_PROVIDERS", {"marlin": ops})
     kern = MarlinMoE(_spec(kind="moe", prefix="model.layers.0.mlp.experts", n=2 * inter, k=h, intermediate=inter,
                            num_experts=e, options={"marlin_configs": []}))
-    layer = torch.nn.Module()
-    layer.w13_weight = torch.nn.Parameter(_codes(e, 2 * inter, h, seed=5), requires_grad=False)
-    layer.w13_weight_scale_inv = torch.nn.Parameter(_scales(e, 2 * inter, h // 32, seed=5), requires_grad=False)
-    layer.w2_weight = torch.nn.Parameter(_codes(e, h, inter, seed=6), requires_grad=False)
-    layer.w2_weight_scale_inv = torch.nn.Parameter(_scales(e, h, inter // 32, seed=6), requires_grad=False)
-    layer.grid_kernel = kern
-    kern.process_weights_after_loading(layer)
-    layer.grid_processed = True
-    return kern, layer
+    return _processed(kern, w13_weight=_codes(e, 2 * inter, h, seed=5),
+                      w13_weight_scale_inv=_scales(e, 2 * inter, h // 32, seed=5),
+                      w2_weight=_codes(e, h, inter, seed=6), w2_weight_scale_inv=_scales(e, h, inter // 32, seed=6))
 
 
 def test_moe_experts_refresh_in_runs_with_the_batched_repack(monkeypatch):
