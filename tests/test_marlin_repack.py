@@ -12,8 +12,8 @@ import torch
 
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec
 from mxfp8_learner_grid.common.grid_kernels import providers as P
-from mxfp8_learner_grid.common.grid_kernels.marlin import (batched_repack_ok, marlin_scales, marlin_weights_batched,
-                                                           weight_perm_8bit)
+from mxfp8_learner_grid.common.grid_kernels.marlin import (batched_repack_agrees, marlin_scales,
+                                                           marlin_weights_batched, weight_perm_8bit)
 from mxfp8_learner_grid.common.grid_kernels.marlin_moe import expert_runs
 from mxfp8_learner_grid.common.refresh import deferred_refresh, mark_written
 
@@ -82,18 +82,26 @@ def test_batched_repack_of_many_experts_at_once_and_in_place(monkeypatch):
         marlin_weights_batched(_codes(96, 128))
     with pytest.raises(ValueError, match="out must be contiguous int32"):
         marlin_weights_batched(w[0], out=torch.zeros(8, 512, dtype=torch.int32).t())
-    assert batched_repack_ok(w, ref) and not batched_repack_ok(w, ref.flip(0))
-    assert not batched_repack_ok(_codes(96, 128), ref)
+
+
+def test_the_agreement_with_the_engines_op_is_checked_once_per_shape(caplog):
+    ops, wrong = ReferenceMarlin(), ReferenceMarlin(perturb=True)
+    assert batched_repack_agrees(ops, 128, 256, "cpu") and ops.calls == 1
+    assert batched_repack_agrees(ops, 128, 256, "cpu") and ops.calls == 1          # cached: no second repack
+    assert batched_repack_agrees(ops, 256, 128, "cpu") and ops.calls == 2          # another shape: checked
+    with caplog.at_level("WARNING", logger="mxfp8_learner_grid"):
+        assert not batched_repack_agrees(wrong, 128, 256, "cpu")                   # another engine's ops
+        assert not batched_repack_agrees(ops, 96, 128, "cpu") and ops.calls == 2   # a shape it does not take
+    assert "differ from the engine's gptq_marlin_repack" in caplog.text and "not a multiple" in caplog.text
 
 
 def test_a_batched_repack_that_fails_on_the_device_is_not_used(monkeypatch):
     from mxfp8_learner_grid.common.grid_kernels import marlin as M
-    w = _codes(64, 128)
 
     def broken(*a, **kw):
         raise RuntimeError("index_select_out: not implemented for this device")
     monkeypatch.setattr(M.torch, "index_select", broken)
-    assert not batched_repack_ok(w, _vllm_reference(w))
+    assert not batched_repack_agrees(ReferenceMarlin(), 64, 128, "cpu")
 
 
 def test_batched_scale_permutation_equals_the_per_matrix_one():
@@ -138,13 +146,13 @@ def _dense(ops, monkeypatch):
 def test_a_dense_layer_refreshes_in_place_with_the_batched_repack(monkeypatch):
     ops = ReferenceMarlin()
     kern, layer = _dense(ops, monkeypatch)
-    assert kern.batched and ops.calls == 1                      # the load: the engine's op, then the check
+    assert kern.batched and ops.calls == 2                      # the load: the engine's op, and the shape's check
     ptr = layer.grid_marlin_weight.data_ptr()
     layer.weight.data.copy_(_codes(256, 512, seed=2))
     layer.weight_scale_inv.data.copy_(_scales(256, 16, seed=2))
     with deferred_refresh():
         mark_written(layer)
-    assert ops.calls == 1 and layer.grid_marlin_weight.data_ptr() == ptr
+    assert ops.calls == 2 and layer.grid_marlin_weight.data_ptr() == ptr
     assert torch.equal(layer.grid_marlin_weight, _vllm_reference(layer.weight))
     assert torch.equal(layer.grid_marlin_scale, marlin_scales(layer.weight_scale_inv))
     for name, (live, build) in kern.derived(layer).items():
@@ -155,11 +163,11 @@ def test_a_dense_layer_whose_batched_repack_disagrees_keeps_the_engines_op(monke
     ops = ReferenceMarlin(perturb=True)
     with caplog.at_level("WARNING", logger="mxfp8_learner_grid"):
         kern, layer = _dense(ops, monkeypatch)
-    assert not kern.batched and "differs from the engine's gptq_marlin_repack" in caplog.text
+    assert not kern.batched and "differ from the engine's gptq_marlin_repack" in caplog.text
     layer.weight.data.copy_(_codes(256, 512, seed=2))
     with deferred_refresh():
         mark_written(layer)
-    assert ops.calls == 2 and torch.equal(layer.grid_marlin_weight, ops.repack(
+    assert ops.calls == 3 and torch.equal(layer.grid_marlin_weight, ops.repack(
         layer.weight.view(torch.int32).t().contiguous(), 512, 256))
 
 
@@ -176,7 +184,7 @@ def _moe(ops, monkeypatch, e=4, h=128, inter=64):
 def test_moe_experts_refresh_in_runs_with_the_batched_repack(monkeypatch):
     ops = ReferenceMarlin()
     kern, layer = _moe(ops, monkeypatch)
-    assert kern.batched and ops.calls == 8                      # the load: the engine's op per expert and GEMM
+    assert kern.batched and ops.calls == 8 + 2                  # the load: the op per expert and GEMM, two checks
     before = {n: getattr(layer, f"grid_marlin_{n}").clone() for n in ("w13", "w2", "w13_scale", "w2_scale")}
     ptrs = {n: getattr(layer, f"grid_marlin_{n}").data_ptr() for n in before}
     for ex in (1, 2):                                           # a partial update: experts 1 and 2
@@ -186,7 +194,7 @@ def test_moe_experts_refresh_in_runs_with_the_batched_repack(monkeypatch):
     with deferred_refresh():
         mark_written(layer, 1)
         mark_written(layer, 2)
-    assert ops.calls == 8 and ptrs == {n: getattr(layer, f"grid_marlin_{n}").data_ptr() for n in before}
+    assert ops.calls == 10 and ptrs == {n: getattr(layer, f"grid_marlin_{n}").data_ptr() for n in before}
     for which in ("w13", "w2"):
         live = getattr(layer, f"grid_marlin_{which}")
         w = getattr(layer, f"{which}_weight")
@@ -208,4 +216,4 @@ def test_moe_experts_whose_batched_repack_disagrees_keep_the_engines_op(monkeypa
     layer.w2_weight.data[3].copy_(_codes(128, 64, seed=40))
     with deferred_refresh():
         mark_written(layer, 3)
-    assert ops.calls == 8 + 2                                   # expert 3's two GEMMs, through the op
+    assert ops.calls == 8 + 1 + 2        # the load (its first check fails), then expert 3's two GEMMs, by the op

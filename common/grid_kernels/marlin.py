@@ -31,13 +31,14 @@ Derived tensors (allocated once, rewritten in place on every update, registered 
 ``derived_state`` check): ``grid_marlin_weight`` (int32, Marlin's tiled layout) and
 ``grid_marlin_scale`` (E8M0 bytes, Marlin's permuted layout); with ``bf16_weight_rows``, also
 ``grid_bf16_weight``.  Both layouts are pure byte movement (no dtype round trip): :func:`marlin_scales`,
-and :func:`marlin_weights_batched`, which refreshes rewrite the packed weight with in place once the load
-found it equal to the engine's ``gptq_marlin_repack`` for that layer.
+and :func:`marlin_weights_batched`, with which refreshes rewrite the packed weight in place where it makes
+the engine's ``gptq_marlin_repack`` bytes for the layer's shape (:func:`batched_repack_agrees`).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional
 
 import torch
@@ -79,7 +80,7 @@ def marlin_scales(s: torch.Tensor) -> torch.Tensor:
 
 def marlin_weight(ops, w: torch.Tensor) -> torch.Tensor:
     """fp8 [N, K] -> Marlin's tiled int32 layout (``gptq_marlin_repack``, 8 bits): the engine's own op, the
-    reference that :func:`marlin_weights_batched` is checked against at load (:func:`batched_repack_ok`)."""
+    reference that :func:`marlin_weights_batched` is checked against (:func:`batched_repack_agrees`)."""
     n, k = w.shape
     q = w.contiguous().view(torch.int32).t().contiguous()        # [K/4, N], 4 codes per int32 along K
     return ops.repack(q, k, n)
@@ -159,20 +160,39 @@ def marlin_weights_batched(w: torch.Tensor, out: Optional[torch.Tensor] = None) 
     return out
 
 
-def batched_repack_ok(w: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Does :func:`marlin_weights_batched` of the fp8 weights ``w`` [..., N, K] give exactly ``packed`` (what
-    the engine's ``gptq_marlin_repack`` made of them)?  Checked once per layer at load; a layer where it does
-    not (another Marlin layout in another vLLM version, a shape it does not take, or a device where its ops
-    fail) keeps the engine's op for its refreshes.  One synchronization."""
-    n, k = w.shape[-2:]
-    if not batched_repack_shape_ok(n, k):
-        return False
+_AGREES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # engine ops -> {(n, k, device): bool}
+
+
+def batched_repack_agrees(ops, n: int, k: int, device) -> bool:
+    """Does :func:`marlin_weights_batched` make exactly the bytes the engine's ``gptq_marlin_repack``
+    (``ops.repack``) makes for [N, K] weights on ``device``?  Checked once per engine, shape and device, on
+    seeded random codes (every byte value: the layout is byte movement, blind to what the bytes mean), so a
+    layer's load -- and each layer vLLM's layerwise reload rebuilds -- costs nothing after the first of its
+    shape.  Where it does not (another Marlin layout in another vLLM version, a shape it does not take, ops
+    that fail on the device), the layers of that shape keep the engine's op for their refreshes, with a
+    warning."""
     try:
-        with torch.no_grad():
-            return bool(torch.equal(marlin_weights_batched(w), packed))
-    except (RuntimeError, ValueError) as exc:        # e.g. an op this torch build lacks on the device
-        log.warning("mxfp8-learner-grid: the batched Marlin repack failed (%s)", exc)
-        return False
+        seen = _AGREES.setdefault(ops, {})
+    except TypeError:                                    # ops that take no weak reference: checked every time
+        seen = {}
+    key = (int(n), int(k), str(device))
+    if key in seen:
+        return seen[key]
+    ok, why = False, f"N={n}, K={k} is not a multiple of (64, 16)"
+    if batched_repack_shape_ok(n, k):
+        try:
+            g = torch.Generator(device=device).manual_seed(n * 65537 + k)
+            w = torch.randint(0, 256, (n, k), dtype=torch.uint8, device=device, generator=g).view(F.FP8_DTYPE)
+            with torch.no_grad():
+                ok = bool(torch.equal(marlin_weights_batched(w), marlin_weight(ops, w)))
+            why = "its bytes differ from the engine's gptq_marlin_repack"
+        except (RuntimeError, ValueError) as exc:        # e.g. an op this torch build lacks on the device
+            why = f"it failed: {exc}"
+    if not ok:
+        log.warning("mxfp8-learner-grid: the batched Marlin repack is not used for N=%d, K=%d (%s); updates of "
+                    "those layers repack with the engine's op", n, k, why)
+    seen[key] = ok
+    return ok
 
 
 #: the largest M the decode GEMV is built for (``kernels/gemv_triton``: BLOCK_M 16 ... 64)
@@ -366,10 +386,7 @@ class MarlinLinear(GridKernel):
         if not hasattr(layer, "grid_marlin_weight"):
             self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
-            self.batched = batched_repack_ok(layer.weight, layer.grid_marlin_weight)
-            if not self.batched:
-                log.warning("mxfp8-learner-grid: %s: the batched Marlin repack differs from the engine's "
-                            "gptq_marlin_repack here; its updates repack with the engine's op", self.spec.prefix)
+            self.batched = batched_repack_agrees(ops, *layer.weight.shape, layer.weight.device)
             # Marlin MoE's locks: one per thread block, up to MAX_BLOCKS_PER_SM per SM (marlin_configs)
             per_sm = marlin_launch.MAX_BLOCKS_PER_SM if self.one_expert else 1
             self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device, per_sm))

@@ -29,9 +29,10 @@ With the option ``moe_gemv_slots: S``, up to S routed slots (decode) go to the e
 Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
 ``grid_marlin_w13_scale`` / ``grid_marlin_w2_scale`` (permuted E8M0 bytes); a refresh after a
 write rebuilds only the written experts, in place.  At load they are built with the engine's op,
-expert by expert; then, if ``marlin.marlin_weights_batched`` gives the same bytes for the whole
-layer, refreshes and the ``derived_state`` check repack each run of written experts at once (a
-few launches per layer instead of several per expert); otherwise, with a warning, the op.
+expert by expert; where ``marlin.marlin_weights_batched`` makes the op's bytes for the layer's two
+shapes (``marlin.batched_repack_agrees``), refreshes and the ``derived_state`` check repack each run
+of written experts at once (a few launches per layer instead of several per expert); otherwise,
+with a warning, the op.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch.nn.functional as Fn
 
 from . import marlin_launch, providers
 from .base import GridKernel
-from .marlin import (_marlin_supported, batched_repack_ok, check_bf16_exact_weights, guard_bf16_exact_weights,
+from .marlin import (_marlin_supported, batched_repack_agrees, check_bf16_exact_weights, guard_bf16_exact_weights,
                      marlin_scales, marlin_weight, marlin_weights_batched)
 
 log = logging.getLogger("mxfp8_learner_grid")
@@ -249,12 +250,9 @@ class MarlinMoE(GridKernel):
                 w, s = self._stack(layer, which)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
-            self.batched = all(batched_repack_ok(getattr(layer, f"{which}_weight"),
-                                                 getattr(layer, f"grid_marlin_{which}")) for which in ("w13", "w2"))
-            if not self.batched:
-                log.warning("mxfp8-learner-grid: %s: the batched Marlin repack differs from the engine's "
-                            "gptq_marlin_repack here; its updates repack expert by expert with the engine's op",
-                            self.spec.prefix)
+            ops = providers.get("marlin")
+            self.batched = all(batched_repack_agrees(ops, *getattr(layer, f"{which}_weight").shape[1:],
+                                                     layer.w13_weight.device) for which in ("w13", "w2"))
             workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
             self._probe_launch_knobs(layer)

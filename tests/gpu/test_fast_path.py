@@ -109,7 +109,8 @@ def test_batched_repack_equals_the_compiled_gptq_marlin_repack(lead, n, k):
     """The refreshes' repack (``marlin_weights_batched``: a permuting copy and a gather, all experts at once,
     in place) makes the bytes vLLM's compiled ``gptq_marlin_repack`` makes of each matrix: 8B dense shapes,
     the 30B-A3B experts (TP 1) and a TP-2 w13."""
-    from mxfp8_learner_grid.common.grid_kernels.marlin import batched_repack_ok, marlin_weight, marlin_weights_batched
+    from mxfp8_learner_grid.common.grid_kernels.marlin import (batched_repack_agrees, marlin_weight,
+                                                               marlin_weights_batched)
     q = torch.randint(0, 256, (*lead, n, k), dtype=torch.uint8, device="cuda")
     q[(q & 0x7F) == 0x7F] = 0
     w = q.view(torch.float8_e4m3fn)
@@ -118,7 +119,7 @@ def test_batched_repack_equals_the_compiled_gptq_marlin_repack(lead, n, k):
     assert torch.equal(marlin_weights_batched(w), theirs)
     out = torch.empty_like(theirs)
     marlin_weights_batched(w, out=out)
-    assert torch.equal(out, theirs) and batched_repack_ok(w, theirs)
+    assert torch.equal(out, theirs) and batched_repack_agrees(ops, n, k, w.device)
 
 
 def test_dequant_kernel_bytes():
