@@ -384,9 +384,10 @@ class MarlinLinear(GridKernel):
         ops = providers.get("marlin")
         check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         if not hasattr(layer, "grid_marlin_weight"):
-            self.register_derived_buffer(layer, "grid_marlin_weight", marlin_weight(ops, layer.weight))
-            self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
             self.batched = batched_repack_agrees(ops, *layer.weight.shape, layer.weight.device)
+            packed = marlin_weights_batched(layer.weight) if self.batched else marlin_weight(ops, layer.weight)
+            self.register_derived_buffer(layer, "grid_marlin_weight", packed)
+            self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
             # Marlin MoE's locks: one per thread block, up to MAX_BLOCKS_PER_SM per SM (marlin_configs)
             per_sm = marlin_launch.MAX_BLOCKS_PER_SM if self.one_expert else 1
             self.register_derived_buffer(layer, "grid_marlin_workspace", ops.workspace(layer.weight.device, per_sm))

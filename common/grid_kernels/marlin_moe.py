@@ -28,11 +28,11 @@ With the option ``moe_gemv_slots: S``, up to S routed slots (decode) go to the e
 
 Derived tensors: ``grid_marlin_w13`` / ``grid_marlin_w2`` (Marlin-tiled int32, per expert) and
 ``grid_marlin_w13_scale`` / ``grid_marlin_w2_scale`` (permuted E8M0 bytes); a refresh after a
-write rebuilds only the written experts, in place.  At load they are built with the engine's op,
-expert by expert; where ``marlin.marlin_weights_batched`` makes the op's bytes for the layer's two
-shapes (``marlin.batched_repack_agrees``), refreshes and the ``derived_state`` check repack each run
-of written experts at once (a few launches per layer instead of several per expert); otherwise,
-with a warning, the op.
+write rebuilds only the written experts, in place.  Where ``marlin.marlin_weights_batched`` makes
+the engine op's bytes for the layer's two shapes (``marlin.batched_repack_agrees``), the load (and
+each layerwise reload), refreshes and the ``derived_state`` check repack all experts, or each run of
+written experts, at once (a few launches per layer instead of several per expert); otherwise, with
+a warning, the op, expert by expert.
 """
 
 from __future__ import annotations
@@ -234,8 +234,11 @@ class MarlinMoE(GridKernel):
         return marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[e])
 
     def _stack(self, layer, which: str):
-        """The engine's op per expert (the reference the batched repack is checked against), scales batched."""
-        return self._stack_of(self._packed, layer, which), marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))
+        """Every expert's packed weight (batched where it agrees with the engine's op, else the op per expert) and
+        permuted scales (batched): what the first load -- and each layerwise reload -- registers."""
+        w = getattr(layer, f"{which}_weight")
+        packed = marlin_weights_batched(w) if self.batched else self._stack_of(self._packed, layer, which)
+        return packed, marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))
 
     @staticmethod
     def _stack_of(build, layer, which: str):
@@ -246,13 +249,13 @@ class MarlinMoE(GridKernel):
             check_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
                                      f"{self.spec.prefix}.{which}")
         if not hasattr(layer, "grid_marlin_w13"):
+            ops = providers.get("marlin")
+            self.batched = all(batched_repack_agrees(ops, *getattr(layer, f"{which}_weight").shape[1:],
+                                                     layer.w13_weight.device) for which in ("w13", "w2"))
             for which in ("w13", "w2"):
                 w, s = self._stack(layer, which)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
-            ops = providers.get("marlin")
-            self.batched = all(batched_repack_agrees(ops, *getattr(layer, f"{which}_weight").shape[1:],
-                                                     layer.w13_weight.device) for which in ("w13", "w2"))
             workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
             self._probe_launch_knobs(layer)
