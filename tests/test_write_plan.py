@@ -170,22 +170,15 @@ def test_a_replay_outside_a_checked_bucket_goes_through_the_recorders_mode():
     assert rec.rollback() and torch.isfinite(ad.m.norm).all()
 
 
-def test_a_replay_refuses_a_dtype_cast_before_writing_anything():
-    """The plan's own accounting keeps the recorder's dtype rule: a parameter whose dtype changed under the
-    plan (an engine that re-cast it in place) is refused, naming the tensor, with nothing written."""
-    ad = FusedAdapter()
-    _update(ad, 1, _tensors(0))
-    new = _tensors(1)
-    s = UpdateSession(ad, Manifest.of(new, 2, "bf16"), digest="full")
-    rec = s.recorder
-    before = ad.m.qk.detach().clone()
-    from mxfp8_learner_grid.common.sync import plan as plan_mod
-    real = plan_mod.slice_box
-    plan_mod.slice_box = lambda t, box: real(t, box).to(torch.float64) if t.dtype == torch.float32 and \
-        t.dim() == 1 and t.numel() == 32 and t is new["norm"] else real(t, box)
-    try:
-        with pytest.raises(UpdateRejected, match="norm: dtype torch.float64 would be cast into norm"):
-            s.load(list(new.items()))
-    finally:
-        plan_mod.slice_box = real
-    assert torch.equal(ad.m.qk, before) and rec is s.recorder
+def test_the_recorders_own_accounting_keeps_the_dtype_rule():
+    """``WriteRecorder.record`` -- how a replay accounts for a write it copies outside the mode -- refuses a
+    source whose dtype would be cast into the parameter, naming both, before anything is recorded or
+    backed up (the plan records a bucket's writes before it copies any)."""
+    from mxfp8_learner_grid.common.sync.recorder import Write, WriteRecorder
+    norm = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
+    rec = WriteRecorder({"norm": norm}, backup="host")
+    with pytest.raises(UpdateRejected, match="norm: dtype torch.float64 would be cast into norm"):
+        rec.record(Write("norm", "plain", None, "norm", None, (32,)), norm.data, torch.ones(32, dtype=torch.float64))
+    assert rec.writes == [] and rec.backups == {} and not norm.any()
+    rec.record(Write("norm", "plain", None, "norm", None, (32,)), norm.data, torch.ones(32))
+    assert len(rec.writes) == 1 and torch.equal(rec.backups["norm"], torch.zeros(32))
