@@ -160,6 +160,23 @@ def marlin_weights_batched(w: torch.Tensor, out: Optional[torch.Tensor] = None) 
     return out
 
 
+def marlin_pack(ops, w: torch.Tensor, batched: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp8 [..., N, K] -> Marlin's tiled int32 layout [..., K/16, 4 N] (``out``: written in place, and returned):
+    :func:`marlin_weights_batched` where it agrees with the engine's op for the shape (``batched``, from
+    :func:`batched_repack_agrees`), else the engine's op once per matrix -- the one rule for a Marlin
+    layer's load, refresh and ``derived_state`` rebuild, dense or MoE."""
+    if batched:
+        return marlin_weights_batched(w, out=out)
+    *lead, n, k = w.shape
+    mats = w.reshape(-1, n, k)
+    if out is None:
+        return torch.stack([marlin_weight(ops, m) for m in mats]).reshape(*lead, k // MARLIN_TILE, 4 * n)
+    flat = out.view(-1, k // MARLIN_TILE, 4 * n)
+    for i, m in enumerate(mats):
+        flat[i].copy_(marlin_weight(ops, m))
+    return out
+
+
 _AGREES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # engine ops -> {(n, k, device): bool}
 
 
@@ -385,8 +402,7 @@ class MarlinLinear(GridKernel):
         check_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         if not hasattr(layer, "grid_marlin_weight"):
             self.batched = batched_repack_agrees(ops, *layer.weight.shape, layer.weight.device)
-            packed = marlin_weights_batched(layer.weight) if self.batched else marlin_weight(ops, layer.weight)
-            self.register_derived_buffer(layer, "grid_marlin_weight", packed)
+            self.register_derived_buffer(layer, "grid_marlin_weight", marlin_pack(ops, layer.weight, self.batched))
             self.register_derived_buffer(layer, "grid_marlin_scale", marlin_scales(layer.weight_scale_inv))
             # Marlin MoE's locks: one per thread block, up to MAX_BLOCKS_PER_SM per SM (marlin_configs)
             per_sm = marlin_launch.MAX_BLOCKS_PER_SM if self.one_expert else 1
@@ -418,19 +434,14 @@ class MarlinLinear(GridKernel):
         ops = providers.get("marlin")
         guard_bf16_exact_weights(layer.weight_scale_inv, layer.weight, self.spec.prefix)
         with torch.no_grad():
-            if self.batched:                 # in place: one permuting copy and one gather, no engine call
-                marlin_weights_batched(layer.weight, out=layer.grid_marlin_weight)
-            else:
-                layer.grid_marlin_weight.copy_(marlin_weight(ops, layer.weight))
+            marlin_pack(ops, layer.weight, self.batched, out=layer.grid_marlin_weight)
             layer.grid_marlin_scale.copy_(marlin_scales(layer.weight_scale_inv))
         self.bf16_copy.refresh(layer)
         self.humming.refresh(layer)
 
     def derived(self, layer):
         ops = providers.get("marlin")
-        build = (lambda: marlin_weights_batched(layer.weight)) if self.batched else \
-            (lambda: marlin_weight(ops, layer.weight))
-        return {"grid_marlin_weight": (layer.grid_marlin_weight, build),
+        return {"grid_marlin_weight": (layer.grid_marlin_weight, lambda: marlin_pack(ops, layer.weight, self.batched)),
                 "grid_marlin_scale": (layer.grid_marlin_scale, lambda: marlin_scales(layer.weight_scale_inv)),
                 **self.bf16_copy.derived(layer), **self.humming.derived(layer)}
 

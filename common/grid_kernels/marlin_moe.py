@@ -46,7 +46,7 @@ import torch.nn.functional as Fn
 from . import marlin_launch, providers
 from .base import GridKernel
 from .marlin import (_marlin_supported, batched_repack_agrees, check_bf16_exact_weights, guard_bf16_exact_weights,
-                     marlin_scales, marlin_weight, marlin_weights_batched)
+                     marlin_pack, marlin_scales)
 
 log = logging.getLogger("mxfp8_learner_grid")
 
@@ -223,26 +223,13 @@ class MarlinMoE(GridKernel):
     def derived_names(self, layer):
         return ("grid_marlin_w13", "grid_marlin_w2", "grid_marlin_w13_scale", "grid_marlin_w2_scale")
 
-    # per expert: the packed weight and the permuted scales of w13 / w2
-    def _build(self, layer, which: str, e: int):
-        return self._packed(layer, which, e), self._scales(layer, which, e)
+    def _packed(self, layer, which: str, out: Optional[torch.Tensor] = None, lo: int = 0, hi: Optional[int] = None):
+        """Experts [lo, hi) of w13 / w2 in Marlin's layout (``marlin.marlin_pack``; ``out``: in place)."""
+        return marlin_pack(providers.get("marlin"), getattr(layer, f"{which}_weight")[lo:hi], self.batched, out=out)
 
-    def _packed(self, layer, which: str, e: int):
-        return marlin_weight(providers.get("marlin"), getattr(layer, f"{which}_weight")[e])
-
-    def _scales(self, layer, which: str, e: int):
-        return marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[e])
-
-    def _stack(self, layer, which: str):
-        """Every expert's packed weight (batched where it agrees with the engine's op, else the op per expert) and
-        permuted scales (batched): what the first load -- and each layerwise reload -- registers."""
-        w = getattr(layer, f"{which}_weight")
-        packed = marlin_weights_batched(w) if self.batched else self._stack_of(self._packed, layer, which)
-        return packed, marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))
-
-    @staticmethod
-    def _stack_of(build, layer, which: str):
-        return torch.stack([build(layer, which, e) for e in range(getattr(layer, f"{which}_weight").shape[0])])
+    def _scales(self, layer, which: str, lo: int = 0, hi: Optional[int] = None):
+        """Experts [lo, hi) of w13 / w2's scales in Marlin's permuted layout, all at once."""
+        return marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[lo:hi])
 
     def process_weights_after_loading(self, layer) -> None:
         for which in ("w13", "w2"):
@@ -253,9 +240,8 @@ class MarlinMoE(GridKernel):
             self.batched = all(batched_repack_agrees(ops, *getattr(layer, f"{which}_weight").shape[1:],
                                                      layer.w13_weight.device) for which in ("w13", "w2"))
             for which in ("w13", "w2"):
-                w, s = self._stack(layer, which)
-                self.register_derived_buffer(layer, f"grid_marlin_{which}", w)
-                self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", s)
+                self.register_derived_buffer(layer, f"grid_marlin_{which}", self._packed(layer, which))
+                self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", self._scales(layer, which))
             workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
             self._probe_launch_knobs(layer)
@@ -308,31 +294,19 @@ class MarlinMoE(GridKernel):
             guard_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
                                      f"{self.spec.prefix}.{which}")
         with torch.no_grad():
-            if self.batched:                 # each run of written experts at once, in place
-                for lo, hi in expert_runs(n, experts):
-                    for which in ("w13", "w2"):
-                        marlin_weights_batched(getattr(layer, f"{which}_weight")[lo:hi],
-                                               out=getattr(layer, f"grid_marlin_{which}")[lo:hi])
-                        getattr(layer, f"grid_marlin_{which}_scale")[lo:hi].copy_(
-                            marlin_scales(getattr(layer, f"{which}_weight_scale_inv")[lo:hi]))
-                return
-            for e in (range(n) if experts is None else experts):
+            for lo, hi in expert_runs(n, experts):      # each run of written experts at once, in place
                 for which in ("w13", "w2"):
-                    w, s = self._build(layer, which, e)
-                    getattr(layer, f"grid_marlin_{which}")[e].copy_(w)
-                    getattr(layer, f"grid_marlin_{which}_scale")[e].copy_(s)
+                    self._packed(layer, which, getattr(layer, f"grid_marlin_{which}")[lo:hi], lo, hi)
+                    getattr(layer, f"grid_marlin_{which}_scale")[lo:hi].copy_(self._scales(layer, which, lo, hi))
 
     def derived(self, layer):
         out = {}
         for which in ("w13", "w2"):
             # each builder rebuilds only its own tensor (the derived_state check calls both)
-            if self.batched:
-                build = lambda which=which: marlin_weights_batched(getattr(layer, f"{which}_weight"))  # noqa: E731
-            else:
-                build = lambda which=which: self._stack_of(self._packed, layer, which)                  # noqa: E731
-            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"), build)
-            scales = lambda which=which: marlin_scales(getattr(layer, f"{which}_weight_scale_inv"))     # noqa: E731
-            out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"), scales)
+            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
+                                           lambda which=which: self._packed(layer, which))
+            out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
+                                                 lambda which=which: self._scales(layer, which))
         return out
 
     def apply(self, layer, x, topk_weights, topk_ids, expert_map=None):
