@@ -178,10 +178,9 @@ class WritePlan:
         ``torch._foreach_copy_`` per group, outside the recorder's mode (every write is accounted for already)."""
         groups: dict = {}
         for dest, part in pairs:
-            groups.setdefault((dest.device, part.device, dest.dtype), ([], []))
-            g = groups[(dest.device, part.device, dest.dtype)]
-            g[0].append(dest)
-            g[1].append(part)
+            dests, parts = groups.setdefault((dest.device, part.device, dest.dtype), ([], []))
+            dests.append(dest)
+            parts.append(part)
         with unrecorded(), torch.no_grad():
             for dests, parts in groups.values():
                 torch._foreach_copy_(dests, parts)

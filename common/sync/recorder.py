@@ -192,6 +192,13 @@ def check_contents(named: list) -> None:
         if bad:
             raise UpdateRejected(CONTENT_RULES[rule].format(named[i][0]))
 
+def _no_cast(source: str, pname: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+    """The dtype rule of every write into a parameter: no silent cast."""
+    if dest.dtype != src.dtype:
+        raise UpdateRejected(f"{source}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
+                             "send the parameter's dtype")
+
+
 @dataclass
 class Write:
     source: str               # learner tensor name (HF name)
@@ -342,9 +349,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         s = self.source_of(src) if isinstance(src, torch.Tensor) else None
         sname = s.name if s else UNATTRIBUTED
         if isinstance(src, torch.Tensor):
-            if dest.dtype != src.dtype:
-                raise UpdateRejected(f"{sname}: dtype {src.dtype} would be cast into {pname} ({dest.dtype}); "
-                                     "send the parameter's dtype")
+            _no_cast(sname, pname, dest, src)
             rule = None if (s is not None and s.checked) else content_rule(src, s.role if s else "plain")
             if rule is not None and src.numel():
                 self._pending.append((CONTENT_RULES[rule].format(sname), _breaks(rule, _flat(src))))
@@ -366,9 +371,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         seen copy gets: the dtype rule (raises before anything is written), the backup, the write record.
         The content rules are not run: the caller only replays sources that passed them
         (:meth:`checked_source`)."""
-        if dest.dtype != src.dtype:
-            raise UpdateRejected(f"{write.source}: dtype {src.dtype} would be cast into {write.param} "
-                                 f"({dest.dtype}); send the parameter's dtype")
+        _no_cast(write.source, write.param, dest, src)
         with unrecorded():                  # the backup's own copy writes no parameter (a no-op when the
             self._back_up(write.param, self.params[write.param])     # caller left the mode already)
         self.writes.append(write)
