@@ -5,10 +5,11 @@
 Per shape -- the Qwen3-8B projections (dense) and one Qwen3-30B-A3B MoE layer (128 experts, w13 and w2) --
 the packed weight rebuilt into the layer's derived tensor:
 
-* ``op``: vLLM's ``gptq_marlin_repack`` on the transposed int32 words, then a copy into the derived tensor
-  (per expert for MoE: what a refresh did before the batched repack);
-* ``batched``: ``marlin_weights_batched(w, out=derived)`` (a permuting copy and a gather per group of
-  experts, in place).
+* ``op``: ``marlin_pack(..., batched=False)``: vLLM's ``gptq_marlin_repack`` on the transposed int32 words,
+  then a copy into the derived tensor, per matrix (what a refresh did before the batched repack, and still
+  does where the batched one disagrees);
+* ``batched``: ``marlin_pack(..., batched=True)`` = ``marlin_weights_batched(w, out=derived)`` (a permuting
+  copy and a gather per group of experts, in place).
 
 Reported: milliseconds per refresh (median of ``--reps``), host-side (the Python and launches, to the last
 launch) and end to end (after a synchronization), and the ratio ``op / batched`` in the same run; the two
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     from mxfp8_learner_grid.common.grid_kernels import providers
-    from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_weight, marlin_weights_batched
+    from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_pack, marlin_weights_batched
     from mxfp8_learner_grid.vllm_plugin import compat
     compat.register_kernel_providers()
     ops = providers.get("marlin")
@@ -61,14 +62,10 @@ def main() -> None:
         live_op, live_b = torch.zeros_like(ref), torch.zeros_like(ref)
 
         def by_op():
-            if lead:
-                for e in range(lead[0]):
-                    live_op[e].copy_(marlin_weight(ops, w[e]))
-            else:
-                live_op.copy_(marlin_weight(ops, w))
+            marlin_pack(ops, w, False, out=live_op)
 
         def batched():
-            marlin_weights_batched(w, out=live_b)
+            marlin_pack(ops, w, True, out=live_b)
         op_host, op_total = _time(by_op, a.reps)
         b_host, b_total = _time(batched, a.reps)
         row = {"shape": name, "experts": lead[0] if lead else 1, "n": n, "k": k, "op_host_ms": round(op_host, 3),
