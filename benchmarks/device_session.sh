@@ -19,7 +19,7 @@
 #   bash benchmarks/device_session.sh fast            # fast-path GPU tests + kernel benchmark (needs vLLM staged)
 #   bash benchmarks/device_session.sh layers [GRID_OPTIONS_JSON]   # per-layer exactness inside served models (needs vLLM)
 #   bash benchmarks/device_session.sh profile SHAPE ARMS CONC [GRID_OPTIONS]   # kernel time per decode step, by
-#        kernel family, per arm (benchmarks/profile_step.py: torch.profiler in vLLM as served)
+#        kernel family, per arm (benchmarks/profile_step.py: torch.profiler in vLLM as served; PROFILE_ARGS: more flags)
 #   bash benchmarks/device_session.sh e2e SHAPE ARMS [CONC] [GRID_OPTIONS]   # tokens/s vs bf16/fp8/mxfp8
 #        (arms: bf16, grid = defaults, grid+ = with GRID_OPTIONS -- a JSON string or a file holding one; REPS=3)
 #   bash benchmarks/device_session.sh w8a16          # fast-path GPU tests + kernel benchmark with the W8A16 sweep;
@@ -237,7 +237,8 @@ case "${1:-kernels}" in
     opts="${5:-}"
     if [ -n "$opts" ] && [ -f "$opts" ]; then opts=$(cat "$opts"); fi
     python3 benchmarks/profile_step.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-64}" \
-      --grid-options "$opts" --out "$OUT/step-h200.jsonl" 2>&1 | tee "$OUT/profile.log" | grep -v " INFO \| WARNING "
+      --grid-options "$opts" --out "$OUT/step-h200.jsonl" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" \
+      | grep -v " INFO \| WARNING "
     ;;
   linear)
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
