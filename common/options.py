@@ -18,7 +18,8 @@ Keys (all optional)::
                                                                 # GEMM, stream-K off (sm_90; hi <= 129; off: [])
     humming_tile: [128, 64]                                     # its (BLOCK_N, BLOCK_K) (grid_kernels/humming.py)
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
-                                                                # (2 bytes/weight more GPU memory; off: 0)
+                                                                # (2 bytes/weight more GPU memory; off: 0); or per
+                                                                # module: {qkv_proj: 48, o_proj: 48, "*": 0}
     marlin_configs: [[n, k, lo, hi, block, tk, tn, bps], ...]   # Marlin MoE's launch knobs per GEMM shape and rows
                                                                 # lo <= M < hi (dense layers: run as one expert);
                                                                 # default: measured MoE rows on sm_90
@@ -85,8 +86,19 @@ class GridOptions:
             raise ValueError(f"humming_tile must be one of {[list(t) for t in TILE_CHOICES]} (BLOCK_N, BLOCK_K); "
                              f"got {tile!r}")
         rows = self.raw.get("bf16_weight_rows", 0)
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off); got {rows!r}")
+
+        def _rows_ok(r):
+            return not isinstance(r, bool) and isinstance(r, int) and r >= 0
+        if isinstance(rows, dict):
+            bad = {k: v for k, v in rows.items() if not (isinstance(k, str) and k.strip(".") == k and k)
+                   or not _rows_ok(v)}
+            if bad:
+                raise ValueError(f"bf16_weight_rows: each key must be a module name (e.g. 'qkv_proj', "
+                                 f"'self_attn.o_proj', or '*') and each value a non-negative integer (rows; "
+                                 f"0: no copy); got {bad!r}")
+        elif not _rows_ok(rows):
+            raise ValueError(f"bf16_weight_rows must be a non-negative integer (rows; 0: off) or a mapping "
+                             f"from module names to rows; got {rows!r}")
         gemv = self.raw.get("gemv_rows", 0)
         from .grid_kernels.marlin import GEMV_MAX_ROWS
         if isinstance(gemv, bool) or not isinstance(gemv, int) or not 0 <= gemv <= GEMV_MAX_ROWS:

@@ -305,9 +305,33 @@ def test_bf16_weight_rows_option():
     from mxfp8_learner_grid.common.options import GridOptions
     assert GridOptions.from_dict({"bf16_weight_rows": 48}).raw["bf16_weight_rows"] == 48
     GridOptions.from_dict({"bf16_weight_rows": 0})
-    for bad in (-1, True, "48", 4.5):
+    for bad in (-1, True, "48", 4.5, {"qkv_proj": -1}, {"qkv_proj": True}, {"": 48}, {".o_proj": 48}, {3: 48}):
         with pytest.raises(ValueError, match="bf16_weight_rows"):
             GridOptions.from_dict({"bf16_weight_rows": bad})
+    per_module = {"qkv_proj": 48, "self_attn.o_proj": 32, "down_proj": 0, "*": 0}
+    assert GridOptions.from_dict({"bf16_weight_rows": per_module}).raw["bf16_weight_rows"] == per_module
+
+
+def test_bf16_weight_rows_per_module():
+    """The per-module form names layers by their prefix's dotted tail; the longest key wins; '*' is the rest;
+    each kernel's copy follows it (no copy, nothing derived, where the rows are 0)."""
+    from mxfp8_learner_grid.common.grid_kernels import LayerSpec
+    from mxfp8_learner_grid.common.grid_kernels.marlin import bf16_copy_rows
+    from mxfp8_learner_grid.common.grid_kernels.w8a16 import W8A16Linear
+    opt = {"qkv_proj": 48, "self_attn.o_proj": 32, "o_proj": 16, "*": 64}
+    assert bf16_copy_rows(opt, "model.layers.3.self_attn.qkv_proj") == 48
+    assert bf16_copy_rows(opt, "model.layers.3.self_attn.o_proj") == 32          # the longer key
+    assert bf16_copy_rows(opt, "model.layers.3.cross_attn.o_proj") == 16
+    assert bf16_copy_rows(opt, "model.layers.3.mlp.down_proj") == 64            # '*'
+    assert bf16_copy_rows(opt, "model.layers.3.mlp.xqkv_proj") == 64            # a tail is a whole component
+    assert bf16_copy_rows({"qkv_proj": 48}, "model.layers.3.mlp.gate_up_proj") == 0
+    assert bf16_copy_rows(48, "anything") == 48 and bf16_copy_rows(0, "x") == 0 and bf16_copy_rows(None, "x") == 0
+    for prefix, rows in (("model.layers.0.self_attn.qkv_proj", 48), ("model.layers.0.mlp.gate_up_proj", 0)):
+        spec = LayerSpec(prefix=prefix, kind="linear", device_type="cpu", act_dtype=torch.bfloat16, n=64, k=256,
+                         options={"bf16_weight_rows": {"qkv_proj": 48}})
+        kern = W8A16Linear(spec)
+        assert kern.bf16_copy.rows == rows
+        assert kern.bf16_copy.names() == (("grid_bf16_weight",) if rows else ())
 
 
 GEMV_BAND = textwrap.dedent("""

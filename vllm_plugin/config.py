@@ -27,7 +27,8 @@ Options (all optional)::
     humming_rows: [17, 129]        # rows [lo, hi) for which dense layers use humming-kernels' W8A16 wgmma GEMM with
                                    # stream-K off (sm_90, humming importable; []: off); humming_tile: [BLOCK_N, BLOCK_K]
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
-                                   # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off)
+                                   # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off);
+                                   # per module: {qkv_proj: 48, o_proj: 48, down_proj: 48} (other layers: no copy)
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
     router_dtype: float32          # MoE router logits computed in FP32, as Megatron's moe_router_dtype=fp32
                                    # (common/router.py; default "model": the model dtype, as before)

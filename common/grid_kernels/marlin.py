@@ -250,8 +250,26 @@ def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv:
     return cublas_fp32_reduction(x_grid, dequant_rows_bf16(weight, weight_scale_inv))
 
 
+def bf16_copy_rows(option, prefix: str) -> int:
+    """The rows from which the layer named ``prefix`` multiplies its resident bf16 copy (0: no copy), by the
+    option ``bf16_weight_rows``: an integer (every dense layer), or a mapping from module names to rows --
+    a key names the layer when it is the whole prefix or its dotted tail (``qkv_proj``,
+    ``self_attn.o_proj``); the longest matching key wins, and ``"*"`` stands for every other layer.  So
+    ``{"qkv_proj": 48, "o_proj": 48, "down_proj": 48}`` copies only the projections where the copy gains
+    the most time per byte (BENCHMARKS.md, nineteenth session)."""
+    if not option:
+        return 0
+    if not isinstance(option, dict):
+        return int(option)
+    hits = [key for key in option if key != "*" and (prefix == key or prefix.endswith("." + key))]
+    if hits:
+        return int(option[max(hits, key=len)] or 0)
+    return int(option.get("*", 0) or 0)
+
+
 class Bf16WeightCopy:
-    """Option ``bf16_weight_rows: R`` of the dense kernels: from R rows on, cuBLAS multiplies a
+    """Option ``bf16_weight_rows: R`` (or per module, :func:`bf16_copy_rows`) of the dense kernels: from R
+    rows on, cuBLAS multiplies a
     resident bf16 copy of W's grid values (``grid_bf16_weight`` [N, K], exact: an E4M3 code times
     a power of two), instead of Marlin / W8A16 below the crossover and of a per-call decode above
     it.  A derived tensor like the others: allocated once, rewritten in place by every update,
@@ -261,7 +279,7 @@ class Bf16WeightCopy:
     NAME = "grid_bf16_weight"
 
     def __init__(self, spec: LayerSpec):
-        self.rows = int(spec.options.get("bf16_weight_rows", 0) or 0)
+        self.rows = bf16_copy_rows(spec.options.get("bf16_weight_rows"), spec.prefix)
 
     def names(self) -> tuple[str, ...]:
         return (self.NAME,) if self.rows else ()

@@ -314,7 +314,7 @@ def test_dense_as_one_expert_exact(n, k, m, knobs):
 
 
 @pytest.mark.parametrize("m,opts", [(8, {}), (64, {"w8a16_rows": W8A16_BAND}), (64, {"bf16_weight_rows": 48}),
-                                    (8, {"gemv_rows": 16}),
+                                    (64, {"bf16_weight_rows": {"t": 48, "*": 0}}), (8, {"gemv_rows": 16}),
                                     (64, {"marlin_configs": [[4096, 4096, 1, 129, 32, 128, 128, 2]]})])
 def test_refresh_in_place_under_cuda_graph(m, opts):
     """A graph captured before an in-place update replays the new weights (Marlin; the W8A16 band;
@@ -323,6 +323,8 @@ def test_refresh_in_place_under_cuda_graph(m, opts):
     n, k = 4096, 4096
     layer = grid_layer(n, k, seed=1)
     kern = _tuned(lambda: setup_kernel(layer, **opts))
+    if "bf16_weight_rows" in opts:                  # the layer named by the option (prefix "t") holds the copy
+        assert "grid_bf16_weight" in kern.derived_names(layer)
     graph_then_update(kern, layer, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), n, k)
     stale = [n for n, (t, b) in kern.derived(layer).items() if not torch.equal(t, b())]
     assert stale == []
