@@ -48,7 +48,7 @@ def choose(spec: LayerSpec) -> GridKernel:
         if ok:
             kernel = cls(spec)
             note = f"; passed over: {'; '.join(skipped)}" if skipped else ""
-            key = (spec.kind, kernel.name, tuple(skipped))
+            key = (spec.kind, kernel.describe(), tuple(skipped))     # each distinct choice once at INFO
             level = logging.INFO if not _seen[key] else logging.DEBUG
             _seen[key] += 1
             log.log(level, "mxfp8-learner-grid: %s %s -> kernel %s%s", spec.kind, spec.prefix, kernel.describe(), note)
