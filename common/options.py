@@ -20,6 +20,7 @@ Keys (all optional)::
     bf16_weight_rows: 48                                        # from these rows, cuBLAS on a resident bf16 copy of W
                                                                 # (2 bytes/weight more GPU memory; off: 0); or per
                                                                 # module: {qkv_proj: 48, o_proj: 48, "*": 0}
+                                                                # (default on sm_90: qkv/o/down from 48; else off)
     marlin_configs: [[n, k, lo, hi, block, tk, tn, bps], ...]   # Marlin MoE's launch knobs per GEMM shape and rows
                                                                 # lo <= M < hi (dense layers: run as one expert);
                                                                 # default: measured MoE rows on sm_90

@@ -334,6 +334,28 @@ def test_bf16_weight_rows_per_module():
         assert kern.bf16_copy.names() == (("grid_bf16_weight",) if rows else ())
 
 
+def test_bf16_weight_copy_platform_default():
+    """Without the option, sm_90 copies qkv / o / down from 48 rows and nothing else; other platforms and
+    the CPU copy nothing; an explicit 0 (or a mapping) overrides the default everywhere."""
+    from mxfp8_learner_grid.common.grid_kernels.marlin import DENSE_COPY_DEFAULTS, Bf16WeightCopy, copy_option
+    assert DENSE_COPY_DEFAULTS[(9, 0)] == {"qkv_proj": 48, "o_proj": 48, "down_proj": 48}
+
+    def rows(prefix, capability, options):
+        return Bf16WeightCopy(LayerSpec(prefix=prefix, kind="linear", device_type="cuda" if capability else "cpu",
+                                        act_dtype=torch.bfloat16, n=64, k=256, capability=capability,
+                                        options=options)).rows
+
+    for prefix, want in (("model.layers.0.self_attn.qkv_proj", 48), ("model.layers.0.self_attn.o_proj", 48),
+                         ("model.layers.0.mlp.down_proj", 48), ("model.layers.0.mlp.gate_up_proj", 0)):
+        assert rows(prefix, (9, 0), {}) == want, prefix
+        assert rows(prefix, (9, 0), {"bf16_weight_rows": 0}) == 0
+        assert rows(prefix, (8, 9), {}) == 0 and rows(prefix, (10, 0), {}) == 0 and rows(prefix, None, {}) == 0
+        assert rows(prefix, None, {"bf16_weight_rows": 32}) == 32
+    assert rows("model.layers.0.mlp.gate_up_proj", (9, 0), {"bf16_weight_rows": {"gate_up_proj": 16}}) == 16
+    assert rows("model.layers.0.self_attn.qkv_proj", (9, 0), {"bf16_weight_rows": {"gate_up_proj": 16}}) == 0
+    assert copy_option({}, None) == 0 and copy_option({"bf16_weight_rows": 0}, (9, 0)) == 0
+
+
 GEMV_BAND = textwrap.dedent("""
     import torch
     from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows

@@ -28,7 +28,8 @@ Options (all optional)::
                                    # stream-K off (sm_90, humming importable; []: off); humming_tile: [BLOCK_N, BLOCK_K]
     bf16_weight_rows: 48           # from these rows, dense layers run cuBLAS on a resident bf16 copy of W's grid
                                    # values (exact; 2 bytes/weight more GPU memory, taken from the KV cache; 0: off);
-                                   # per module: {qkv_proj: 48, o_proj: 48, down_proj: 48} (other layers: no copy)
+                                   # per module: {qkv_proj: 48, o_proj: 48, down_proj: 48} (other layers: no copy);
+                                   # that mapping is the default on sm_90, no copy elsewhere
     cpu_weight_cache: true         # CPU: keep an fp32 copy of W's grid values (MXFP8_GRID_CPU_CACHE=0 at load)
     router_dtype: float32          # MoE router logits computed in FP32, as Megatron's moe_router_dtype=fp32
                                    # (common/router.py; default "model": the model dtype, as before)

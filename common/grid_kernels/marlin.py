@@ -22,10 +22,11 @@ The GEMMs, chosen per call by the number of rows M (options ``gemv_rows``, ``w8a
 * M >= crossover: W decoded once per call into a bf16 scratch tensor
   (``kernels/dequant_triton``, 3 bytes of traffic per weight) and cuBLAS, with
   ``allow_bf16_reduced_precision_reduction`` off so that split-K partials are reduced in FP32;
-* M >= ``bf16_weight_rows`` (off by default): cuBLAS on a resident bf16 copy of W's grid values
-  (:class:`Bf16WeightCopy`; 2 more bytes of GPU memory per weight, no decode per call) -- a
-  memory-for-speed option for the middle band of M, where the weight-only kernels decode every
-  weight element in every CTA and fall behind BF16.
+* M >= ``bf16_weight_rows``: cuBLAS on a resident bf16 copy of W's grid values
+  (:class:`Bf16WeightCopy`; 2 more bytes of GPU memory per weight, no decode per call) -- memory
+  for speed in the middle band of M, where the weight-only kernels decode every weight element in
+  every CTA and fall behind BF16.  Default on sm_90: qkv, o and down from 48 rows
+  (:data:`DENSE_COPY_DEFAULTS`); elsewhere off.
 
 Derived tensors (allocated once, rewritten in place on every update, registered for the
 ``derived_state`` check): ``grid_marlin_weight`` (int32, Marlin's tiled layout) and
@@ -250,6 +251,24 @@ def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv:
     return cublas_fp32_reduction(x_grid, dequant_rows_bf16(weight, weight_scale_inv))
 
 
+#: the per-module bf16 copy, per compute capability, used when the option ``bf16_weight_rows`` is absent.
+#: (9, 0), the H200: the three projections where the copy gains the most time per byte at M = 64 (qkv 0.16,
+#: o 0.14, down 0.08 us per MB per layer; gate_up 0.01), from 48 rows on -- Qwen3-8B 0.90x BF16 at concurrency
+#: 64 against 0.81-0.83x without it, its dense weights 13.8 GB against BF16's 13.9 (BENCHMARKS.md, nineteenth
+#: and twenty-first sessions).  Below 48 rows (decode at concurrency <= 32) nothing changes.
+DENSE_COPY_DEFAULTS = {
+    (9, 0): {"qkv_proj": 48, "o_proj": 48, "down_proj": 48},
+}
+
+
+def copy_option(options: dict, capability) -> object:
+    """The ``bf16_weight_rows`` a layer uses: the option when given (``0`` turns every copy off), else the
+    platform's :data:`DENSE_COPY_DEFAULTS` (none off the GPU or on an unmeasured platform)."""
+    if "bf16_weight_rows" in options:
+        return options["bf16_weight_rows"]
+    return DENSE_COPY_DEFAULTS.get(tuple(capability), 0) if capability else 0
+
+
 def bf16_copy_rows(option, prefix: str) -> int:
     """The rows from which the layer named ``prefix`` multiplies its resident bf16 copy (0: no copy), by the
     option ``bf16_weight_rows``: an integer (every dense layer), or a mapping from module names to rows --
@@ -273,13 +292,15 @@ class Bf16WeightCopy:
     resident bf16 copy of W's grid values (``grid_bf16_weight`` [N, K], exact: an E4M3 code times
     a power of two), instead of Marlin / W8A16 below the crossover and of a per-call decode above
     it.  A derived tensor like the others: allocated once, rewritten in place by every update,
-    rebuilt and compared by the ``derived_state`` check.  Off (R = 0) by default: it costs 2 bytes
-    of GPU memory per weight (the model's BF16 size again), which vLLM then takes from the KV cache."""
+    rebuilt and compared by the ``derived_state`` check.  It costs 2 bytes of GPU memory per copied
+    weight, which the engine then takes from the KV cache.  Default: :data:`DENSE_COPY_DEFAULTS` on
+    their platforms (sm_90: qkv, o and down from 48 rows), none elsewhere; ``bf16_weight_rows: 0``
+    turns it off."""
 
     NAME = "grid_bf16_weight"
 
     def __init__(self, spec: LayerSpec):
-        self.rows = bf16_copy_rows(spec.options.get("bf16_weight_rows"), spec.prefix)
+        self.rows = bf16_copy_rows(copy_option(spec.options, spec.capability), spec.prefix)
 
     def names(self) -> tuple[str, ...]:
         return (self.NAME,) if self.rows else ()
