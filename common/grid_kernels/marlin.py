@@ -253,7 +253,7 @@ def dequant_cublas(x_grid: torch.Tensor, weight: torch.Tensor, weight_scale_inv:
 
 #: the per-module bf16 copy, per compute capability, used when the option ``bf16_weight_rows`` is absent.
 #: (9, 0), the H200: the three projections where the copy gains the most time per byte at M = 64 (qkv 0.16,
-#: o 0.14, down 0.08 us per MB per layer; gate_up 0.01), from 48 rows on -- Qwen3-8B 0.90x BF16 at concurrency
+#: o 0.14, down 0.08 us per MB per layer; gate_up 0.01), from 48 rows on -- Qwen3-8B 0.896-0.899x BF16 at concurrency
 #: 64 against 0.81-0.83x without it, its dense weights 13.8 GB against BF16's 13.9 (BENCHMARKS.md, nineteenth
 #: and twenty-first sessions).  Below 48 rows (decode at concurrency <= 32) nothing changes.
 DENSE_COPY_DEFAULTS = {
