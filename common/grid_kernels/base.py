@@ -42,6 +42,12 @@ class LayerSpec:
     options: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def platform_default(table: dict, capability, absent):
+    """A default measured per compute capability: ``table``'s entry for ``capability``, else ``absent`` (an
+    unmeasured platform, or off the GPU: ``capability`` None)."""
+    return table.get(tuple(capability), absent) if capability else absent
+
+
 def bf16_output_no_bias(spec: LayerSpec, kernel: str) -> tuple[bool, str]:
     """The rule of the weight-only kernels that write bf16 and have no FP32 bias epilogue."""
     if spec.act_dtype != torch.bfloat16:

@@ -46,7 +46,7 @@ import torch
 
 from .. import format as F
 from . import marlin_launch, providers
-from .base import GridKernel, LayerSpec, bf16_output_no_bias
+from .base import GridKernel, LayerSpec, bf16_output_no_bias, platform_default
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def copy_option(options: dict, capability) -> object:
     platform's :data:`DENSE_COPY_DEFAULTS` (none off the GPU or on an unmeasured platform)."""
     if "bf16_weight_rows" in options:
         return options["bf16_weight_rows"]
-    return DENSE_COPY_DEFAULTS.get(tuple(capability), 0) if capability else 0
+    return platform_default(DENSE_COPY_DEFAULTS, capability, 0)
 
 
 def bf16_copy_rows(option, prefix: str) -> int:

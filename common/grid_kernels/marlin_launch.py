@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .base import platform_default
+
 FIELDS = ("n", "k", "lo", "hi", "block", "thread_k", "thread_n", "blocks_per_sm")
 #: the token blocks Marlin MoE is built for (vLLM 0.26.0: ``fused_marlin_moe``'s candidates)
 BLOCKS = (8, 16, 32, 48, 64)
@@ -102,7 +104,7 @@ def rows_for(options: dict, n: int, k: int, defaults: Sequence[Sequence[int]] = 
 
 def moe_defaults(capability) -> tuple[tuple[int, ...], ...]:
     """:data:`MOE_DEFAULT_ROWS` of a compute capability (none for others, or off the GPU)."""
-    return MOE_DEFAULT_ROWS.get(tuple(capability), ()) if capability else ()
+    return platform_default(MOE_DEFAULT_ROWS, capability, ())
 
 
 def bands(flat: Optional[Sequence[int]]):
