@@ -173,11 +173,11 @@ def native_runs(llm, cfg_path: str, natives: list, reps: int, res: dict) -> None
     base = res["baselines"]["bf16_copy_local"]["s"]
     llm.init_weight_transfer_engine({"init_info": {}})
     client = connect(llm, staging="cuda_ipc", bucket_bytes=1 << 30)
+    # vLLM's packed mode needs a buffer at least as large as the largest tensor (8B's embedding: 1.24 GB)
+    packed_bytes = max(1 << 30, -(-max(t.numel() * t.element_size() for t in bf16.values()) >> 20) << 20)
     for arm in natives:
         if arm not in ("ipc", "ipc_packed"):
             raise SystemExit(f"--native: unknown path {arm!r} (ipc, ipc_packed)")
-        # vLLM's packed mode needs a buffer at least as large as the largest tensor (8B's embedding: 1.24 GB)
-        packed_bytes = max(1 << 30, -(-max(t.numel() * t.element_size() for t in bf16.values()) >> 20) << 20)
         send, calls = ipc_pusher(llm, {"ipc_packed_bytes": packed_bytes if arm == "ipc_packed" else 0,
                                        "trainer_device": "cuda"})
         times = []
