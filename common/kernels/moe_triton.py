@@ -45,22 +45,13 @@ import triton.language as tl
 
 from .. import format as F
 from . import interpreting
-from .gemm_triton import _e4m3_to_f32, _e8m0_to_f32
-from .qdq_triton import QDQ_CONFIG, QDQ_SMALL_M_CONFIG, _f32_bits_to_bf16_bits, _mul_f32_exact
-from .quantize_triton import _e8m0_from_amax_bits, _encode_e4m3, _scale_reciprocal
+from .qdq_triton import QDQ_CONFIG, QDQ_SMALL_M_CONFIG, _bf16_bits_to_f32, _f32_bits_to_bf16_bits, _grid_codes_f32, \
+    _mul_f32_exact, _out_bits, _round_bf16, _tile_scales
 
 try:                                  # libdevice's expf: what torch's CUDA SiLU calls
     from triton.language.extra import libdevice as _libdevice
 except ImportError:                   # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice as _libdevice
-
-# format rules as Triton compile-time constants (jit code may read only constexpr globals)
-_BLOCK = tl.constexpr(F.BLOCK_SIZE)
-_E4M3_MAX = tl.constexpr(F.E4M3_MAX)
-_F32_ABS_MASK = tl.constexpr(F.F32_ABS_MASK)
-_F32_INF_BITS = tl.constexpr(F.F32_INF_BITS)
-_F32_NEG_ZERO_BITS = tl.constexpr(F.F32_NEG_ZERO_BITS)
-_BF16_NAN_BITS = tl.constexpr(F.BF16_NAN_BITS)
 
 #: the largest number of token slots (tokens x top-k) the one-pass align kernel takes
 ALIGN_MAX_SLOTS = 4096
@@ -136,20 +127,6 @@ def moe_align(topk_ids: torch.Tensor, block: int, num_experts: int, local_expert
 
 
 @triton.jit
-def _bf16_bits_to_f32(bits16):
-    return (bits16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_bf16(v, USE_ASM: tl.constexpr):
-    """fp32 -> its round-to-nearest-even bf16 value, as fp32 (non-NaN input)."""
-    if USE_ASM:
-        return v.to(tl.bfloat16).to(tl.float32)
-    else:
-        return ((_f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _silu_mul_qdq_kernel(gu_ptr, y_ptr, M, I, stride_gm, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -173,29 +150,10 @@ def _silu_mul_qdq_kernel(gu_ptr, y_ptr, M, I, stride_gm, stride_ym,
     x = _round_bf16(tl.where(p_nan, 0.0, p), USE_ASM)
     x = tl.where(p_nan, float("nan"), x)
     xbits = x.to(tl.int32, bitcast=True)
-    # --- the value path of qdq_triton._qdq_rows_kernel (bf16 in, bf16 out) ---
-    abits = xbits & _F32_ABS_MASK
-    nan_in = abits > _F32_INF_BITS
-    abits = tl.where(nan_in, 0, abits)
-    NB: tl.constexpr = BLOCK_K // _BLOCK
-    amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, _BLOCK)), axis=2)
-    e = _e8m0_from_amax_bits(amax, USE_ASM)
-    sc = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
-    d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
-    if USE_ASM:
-        yv = _mul_f32_exact(x, sc, True)
-        yv = tl.minimum(tl.maximum(yv, -_E4M3_MAX), _E4M3_MAX)
-        c = yv.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
-    else:
-        c = _e4m3_to_f32(_encode_e4m3(x, xbits, sc, USE_ASM), USE_ASM)
-    v = _mul_f32_exact(c, d, USE_ASM)
-    if USE_ASM:
-        h = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    else:
-        h = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)).to(tl.int16)
-    neg_zero = xbits == _F32_NEG_ZERO_BITS
-    out = tl.where(nan_in, _BF16_NAN_BITS, tl.where(neg_zero, 0, h))
-    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], out.to(tl.int16), mask=mask)
+    # --- the value path of qdq_triton._qdq_rows_kernel (bf16 in, bf16 out): its very helpers ---
+    nan_in, e, sc, d = _tile_scales(xbits, BLOCK_M, BLOCK_K, USE_ASM)
+    v = _mul_f32_exact(_grid_codes_f32(x, xbits, sc, USE_ASM), d, USE_ASM)
+    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], _out_bits(v, xbits, nan_in, 1, USE_ASM), mask=mask)
 
 
 def silu_mul_qdq(gu: torch.Tensor, intermediate: int) -> torch.Tensor:

@@ -136,52 +136,90 @@ def _qdq_rows_kernel(
     else:
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xbits = x.to(tl.int32, bitcast=True)
+    nan_in, e, s, d = _tile_scales(xbits, BLOCK_M, BLOCK_K, USE_ASM)
+    sb = pid_k * (BLOCK_K // _BLOCK) + tl.arange(0, BLOCK_K // _BLOCK)
+    smask = (rows[:, None] < M) & (sb[None, :] < K // _BLOCK)
+    if TRACK_MIN:
+        tl.atomic_min(min_ptr, tl.min(tl.min(tl.where(smask, e, _E8M0_NAN), axis=1), axis=0))
+    if WRITE_CODES:
+        # the shared encoder (clamp, cvt.rn.satfinite / integer RNE, NaN -> 0x7F, -0.0 -> 0x00)
+        q = _encode_e4m3(x, xbits, s, USE_ASM)                                # (BLOCK_M, BLOCK_K) uint8
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows64[:, None] * stride_sm + sb[None, :], e.to(tl.uint8), mask=smask)
+        c = _e4m3_to_f32(q, USE_ASM)
+    else:
+        c = _grid_codes_f32(x, xbits, s, USE_ASM)
+    # --- dequantize: e4m3(q) * 2^(e-127), one IEEE fp32 multiply (exact, see module doc) ---
+    v = _mul_f32_exact(c, d, USE_ASM)
+    out = _out_bits(v, xbits, nan_in, OUT_KIND, USE_ASM)
+    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _bf16_bits_to_f32(bits16):
+    """bf16 bit patterns (loaded as int16) -> fp32, exact (a 16-bit shift; subnormals too)."""
+    return (bits16.to(tl.int32) << _BF16_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(v, USE_ASM: tl.constexpr):
+    """fp32 -> its round-to-nearest-even bf16 value, as fp32 (non-NaN input; cvt.rn.bf16.f32 on the GPU,
+    an integer RNE in the interpreter, whose own bf16 cast truncates)."""
+    if USE_ASM:
+        return v.to(tl.bfloat16).to(tl.float32)
+    else:
+        return ((_f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True))) << _BF16_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_scales(xbits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """A (BLOCK_M, BLOCK_K) tile's fp32 bit patterns -> (nan_in, e, s, d): input NaNs, the E8M0 scale
+    byte of each 1x32 block (int32, (BLOCK_M, BLOCK_K/32)), and, broadcast per element, the exact
+    reciprocal scale s and the decode factor d = 2^(e-127) -- exactly the rowwise path of
+    ``quantize_triton._mxfp8_quantize_kernel``."""
     abits = xbits & _F32_ABS_MASK
     nan_in = abits > _F32_INF_BITS              # input NaN <=> output NaN (a scale is never NaN)
     abits = tl.where(nan_in, 0, abits)
     NB: tl.constexpr = BLOCK_K // _BLOCK
-    # --- quantize: exactly the rowwise path of quantize_triton._mxfp8_quantize_kernel ---
     amax = tl.max(tl.reshape(abits, (BLOCK_M, NB, _BLOCK)), axis=2)
     e = _e8m0_from_amax_bits(amax, USE_ASM)                                   # (BLOCK_M, NB) int32
     s = tl.reshape(tl.broadcast_to(_scale_reciprocal(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
     d = tl.reshape(tl.broadcast_to(_e8m0_to_f32(e)[:, :, None], (BLOCK_M, NB, _BLOCK)), (BLOCK_M, BLOCK_K))
-    sb = pid_k * NB + tl.arange(0, NB)
-    smask = (rows[:, None] < M) & (sb[None, :] < K // _BLOCK)
-    if TRACK_MIN:
-        tl.atomic_min(min_ptr, tl.min(tl.min(tl.where(smask, e, _E8M0_NAN), axis=1), axis=0))
-    if WRITE_CODES or not USE_ASM:
-        # the shared encoder (clamp, cvt.rn.satfinite / integer RNE, NaN -> 0x7F, -0.0 -> 0x00)
-        q = _encode_e4m3(x, xbits, s, USE_ASM)                                # (BLOCK_M, BLOCK_K) uint8
-        if WRITE_CODES:
-            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + rows64[:, None] * stride_sm + sb[None, :], e.to(tl.uint8), mask=smask)
-        c = _e4m3_to_f32(q, USE_ASM)
-    else:
-        # values only (the prefill path): the same cast without forming byte codes.  x * s by
-        # mul.rn.f32 (exact power-of-two scaling, no flush of subnormal x), clamp, the hardware
-        # cvt.rn.satfinite.e4m3x2.f32 and back to fp32 (cvt.rn.f16x2.e4m3x2, exact).  NaN and
-        # -0.0 are fixed on the output below.  ~16 instructions per element instead of ~32.
+    return nan_in, e, s, d
+
+
+@triton.jit
+def _grid_codes_f32(x, xbits, s, USE_ASM: tl.constexpr):
+    """The E4M3 value of x * s (TE's cast) as fp32, codes not formed on the GPU.  x * s by mul.rn.f32
+    (exact power-of-two scaling, no flush of subnormal x), clamp, the hardware cvt.rn.satfinite.e4m3x2.f32
+    and back to fp32 (exact): ~16 instructions per element instead of ~32.  NaN and -0.0 are fixed
+    on the output (``_out_bits``).  The interpreter takes the shared integer encoder and decode."""
+    if USE_ASM:
         y = _mul_f32_exact(x, s, True)
         y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
         c = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
-    # --- dequantize: e4m3(q) * 2^(e-127), one IEEE fp32 multiply (exact, see module doc) ---
-    v = _mul_f32_exact(c, d, USE_ASM)
+    else:
+        c = _e4m3_to_f32(_encode_e4m3(x, xbits, s, USE_ASM), USE_ASM)
+    return c
+
+
+@triton.jit
+def _out_bits(v, xbits, nan_in, OUT_KIND: tl.constexpr, USE_ASM: tl.constexpr):
+    """The grid value v (exact fp32) as the output dtype's bit pattern (int32 for fp32, int16 for bf16 /
+    fp16, round to nearest even), with the canonical NaN for an input NaN and +0.0 for an input -0.0."""
     neg_zero = xbits == _F32_NEG_ZERO_BITS                                    # exact -0.0 in -> +0.0 out
-    y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols[None, :]
     if OUT_KIND == 0:        # fp32: the product's bits
         out = tl.where(nan_in, _F32_NAN_BITS, tl.where(neg_zero, 0, v.to(tl.int32, bitcast=True)))
-        tl.store(y_ptrs, out, mask=mask)
     elif OUT_KIND == 1:      # bf16, round to nearest even (cvt.rn.bf16x2.f32; integer RNE in the interpreter)
         if USE_ASM:
             h = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
         else:
             h = _f32_bits_to_bf16_bits(v.to(tl.int32, bitcast=True)).to(tl.int16)
-        out = tl.where(nan_in, _BF16_NAN_BITS, tl.where(neg_zero, 0, h))
-        tl.store(y_ptrs, out.to(tl.int16), mask=mask)
+        out = tl.where(nan_in, _BF16_NAN_BITS, tl.where(neg_zero, 0, h)).to(tl.int16)
     else:                    # fp16: the IEEE cast (RNE, overflow -> inf)
         h = v.to(tl.float16).to(tl.int16, bitcast=True)
-        out = tl.where(nan_in, _FP16_NAN_BITS, tl.where(neg_zero, 0, h))
-        tl.store(y_ptrs, out.to(tl.int16), mask=mask)
+        out = tl.where(nan_in, _FP16_NAN_BITS, tl.where(neg_zero, 0, h)).to(tl.int16)
+    return out
 
 
 def qdq_rows(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None, return_codes: bool = False,
