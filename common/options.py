@@ -50,7 +50,7 @@ KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_vers
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
                         "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots", "humming_rows",
-                        "humming_tile", "marlin_configs"})
+                        "humming_tile", "marlin_configs", "producer_qdq"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -111,6 +111,8 @@ class GridOptions:
                              f"got {slots!r}")
         from .grid_kernels.marlin_launch import parse_rows
         parse_rows(self.raw.get("marlin_configs"))
+        if not isinstance(self.raw.get("producer_qdq", False), bool):
+            raise ValueError(f"producer_qdq must be true or false; got {self.raw.get('producer_qdq')!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:

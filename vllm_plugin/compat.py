@@ -123,9 +123,23 @@ def register_kernel_providers() -> None:
     register_provider("vLLM")
 
 
+#: decoder layers whose forward passes input_layernorm's output only to self_attn (-> qkv_proj), the
+#: post-attention norm's only to mlp (-> gate_up_proj of a dense MLP) and act_fn's only to down_proj:
+#: read in vLLM 0.26's and 0.32's llama.py, qwen2.py, qwen3.py, qwen3_moe.py (option producer_qdq)
+FUSION_LAYER_TYPES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer"})
+
+
+def fusion_facts():
+    """The facts ``common.producer_fusion`` needs from vLLM: which decoder layers, which norm and act classes."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from mxfp8_learner_grid.common.producer_fusion import FusionFacts
+    return FusionFacts(FUSION_LAYER_TYPES, RMSNorm, SiluAndMul, "variance_epsilon")
+
+
 __all__ = [
     "Attention", "BaseKVCacheMethod", "FusedMoEMethodBase", "FusedMoeWeightScaleSupported", "LinearBase",
     "LinearMethodBase", "MOE_LAYER_TYPES", "QuantizationConfig", "QuantizeMethodBase", "RoutedExperts",
-    "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "VocabParallelEmbedding", "VLLM_VERSION", "check_version", "load_format",
+    "FUSION_LAYER_TYPES", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "VocabParallelEmbedding", "VLLM_VERSION", "check_version", "fusion_facts", "load_format",
     "moe_activation_name", "moe_quant_config_none", "nccl_group", "register_kernel_providers", "register_quantization_config", "set_weight_attrs",
 ]

@@ -98,6 +98,10 @@ class MXFP8LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
                 return EmulatedMoEMethod(self.emulate, layer)
         if isinstance(layer, compat.LinearBase):
             if self.on_grid(prefix):
+                if self.options.raw.get("producer_qdq", False):
+                    # the model-level step after loading (in this worker, before load_model reaches it)
+                    from mxfp8_learner_grid.patches import vllm_producer_qdq
+                    vllm_producer_qdq.apply()
                 return GridLinearMethod(self, prefix)
             if self.options.router_dtype is not None and is_router(prefix):
                 from .linear_method import GridRouterMethod

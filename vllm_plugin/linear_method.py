@@ -46,6 +46,9 @@ class GridLinearMethod(compat.LinearMethodBase):
         if first:
             compat.register_kernel_providers()
             layer.grid_kernel = choose_for_linear(self.quant_config, self.prefix, layer)
+            if layer.grid_kernel.spec.options.get("producer_qdq", False):
+                from mxfp8_learner_grid.patches import vllm_producer_qdq
+                vllm_producer_qdq.require(self.prefix)
         layer.grid_kernel.process_weights_after_loading(layer)
         layer.grid_processed = True
 

@@ -98,6 +98,15 @@ class GridKernel:
     def derived(self, layer) -> dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]]:
         return {}
 
+    # -- input -----------------------------------------------------------------------------
+    #: can this kernel take an input that is already the grid values (option ``producer_qdq``)?
+    accepts_grid_input = False
+
+    def take_grid_input(self) -> None:
+        """From now on the input is the grid values of the activation (its producer quantized it):
+        skip the activation qdq.  Only ``common.producer_fusion`` calls this, when it swaps the producer."""
+        raise ValueError(f"{self.spec.prefix}: kernel {self.name} quantizes its own input")
+
     # -- forward ---------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError

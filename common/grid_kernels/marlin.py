@@ -340,8 +340,9 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
                   bf16_rows: int = 0, gemv_rows: int = 0, hum_w: Optional[torch.Tensor] = None,
                   hum_s: Optional[torch.Tensor] = None, hum_locks: Optional[torch.Tensor] = None,
                   hum_lo: int = 0, hum_hi: int = 0, hum_cfg: str = "", hum_tuning: str = "",
-                  one_expert: Optional[list[int]] = None) -> torch.Tensor:
-    """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x), then cuBLAS on
+                  one_expert: Optional[list[int]] = None, x_on_grid: bool = False) -> torch.Tensor:
+    """The grid Linear (bf16, no bias): the decode GEMV (M <= gemv_rows), else qdq(x) (skipped when
+    ``x_on_grid``: the producer wrote x's grid values, ``common.producer_fusion``), then cuBLAS on
     the resident bf16 copy ``w_bf16`` (given, and M >= bf16_rows), dequantize + cuBLAS (M >= crossover),
     humming (hum_lo <= M < hum_hi), the W8A16 Triton GEMM (w8a16_lo <= M < w8a16_hi), Marlin MoE as
     one expert (a row of ``one_expert`` holds M: option ``marlin_configs``) or Marlin."""
@@ -353,7 +354,7 @@ def linear_marlin(x: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Tenso
         return x.new_empty((*x.shape[:-1], n))
     if m <= gemv_rows:
         return grid_gemv_linear(x2, weight, weight_scale_inv).reshape(*x.shape[:-1], n)
-    a = qdq_rows(x2, torch.bfloat16)
+    a = x2 if x_on_grid else qdq_rows(x2, torch.bfloat16)
     if w_bf16 is not None and m >= bf16_rows:
         y = cublas_fp32_reduction(a, w_bf16)
     elif m >= crossover:
@@ -387,7 +388,7 @@ def one_expert_gemm(a: torch.Tensor, marlin_w: torch.Tensor, marlin_s: torch.Ten
 @linear_marlin.register_fake
 def _(x, marlin_w, marlin_s, workspace, weight, weight_scale_inv, crossover, w8a16_lo=0, w8a16_hi=0, w_bf16=None,
       bf16_rows=0, gemv_rows=0, hum_w=None, hum_s=None, hum_locks=None, hum_lo=0, hum_hi=0, hum_cfg="", hum_tuning="",
-      one_expert=None):
+      one_expert=None, x_on_grid=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -403,6 +404,7 @@ def _marlin_supported(spec: LayerSpec) -> tuple[bool, str]:
 class MarlinLinear(GridKernel):
     name = "marlin"
     kind = "linear"
+    accepts_grid_input = True
 
     @classmethod
     def is_supported(cls, spec):
@@ -429,6 +431,7 @@ class MarlinLinear(GridKernel):
         from .humming import HummingBand
         self.humming = HummingBand(spec)
         self.one_expert = marlin_launch.rows_for(spec.options, spec.n, spec.k)
+        self.x_on_grid = False
         if self.one_expert and not hasattr(providers.get("marlin"), "moe_gemm"):
             raise ValueError(f"{spec.prefix}: marlin_configs has rows for N={spec.n}, K={spec.k}, which run the "
                              "layer as a one-expert Marlin MoE, but the engine provides no Marlin MoE op")
@@ -490,7 +493,10 @@ class MarlinLinear(GridKernel):
                                                            layer.weight_scale_inv, self.crossover, *self.w8a16,
                                                            self.bf16_copy.tensor(layer), self.bf16_copy.rows,
                                                            self.gemv_rows, *self.humming.args(layer),
-                                                           self.one_expert or None)
+                                                           self.one_expert or None, self.x_on_grid)
+
+    def take_grid_input(self) -> None:
+        self.x_on_grid = True
 
     def describe(self):
         lo, hi = self.w8a16
@@ -499,7 +505,8 @@ class MarlinLinear(GridKernel):
         moe = "".join(f" + marlin MoE as one expert ({lo} <= M < {hi}: block {block}, tile {tk}x{tn}, {bps} blocks/SM)"
                       for lo, hi, block, tk, tn, bps in marlin_launch.bands(self.one_expert))
         return (f"{gemv}marlin (M < {self.crossover}){band}{moe} + dequantize/cuBLAS (M >= {self.crossover})"
-                f"{self.bf16_copy.describe()}{self.humming.describe()}")
+                f"{self.bf16_copy.describe()}{self.humming.describe()}"
+                f"{'; input qdq done by its producer' if self.x_on_grid else ''}")
 
 
 def guard_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix: str) -> None:

@@ -23,3 +23,12 @@ def router_probe(model):
         out[name] = [dtype, bool(torch.equal(y, ref)), bool(torch.equal(y, y.bfloat16().float())),
                      type(m.quant_method).__name__]
     return out
+
+
+def fusion_probe(model):
+    """Option producer_qdq: whether the loader step ran (patch applied), the producers swapped in, and the
+    grid Linears told that their input is on the grid."""
+    from mxfp8_learner_grid.patches import vllm_producer_qdq
+    fused = sorted(n for n, m in model.named_modules() if getattr(m, "grid_fused_qdq", None))
+    fed = sorted(n for n, m in model.named_modules() if getattr(getattr(m, "grid_kernel", None), "x_on_grid", False))
+    return {"patch_applied": vllm_producer_qdq._applied, "fused": fused, "fed": fed}

