@@ -67,6 +67,10 @@ class LearnerGridConfig(GridQuantConfigMixin, compat.QuantizationConfig):
             # so the option would silently do nothing
             raise ValueError(f"{QUANT_METHOD}: 'router_dtype' is vLLM-only (SGLang builds MoE routers without the "
                              "quantization config, so the plugin cannot compute them in FP32)")
+        if opts.raw.get("producer_qdq", False):
+            # the producers are swapped by a vLLM loader patch (patches/vllm_producer_qdq.py); nothing does it here
+            raise ValueError(f"{QUANT_METHOD}: 'producer_qdq' is vLLM-only for now (no SGLang hook swaps the norms "
+                             "and SiLU*up of its models; each grid Linear quantizes its own input)")
         out = cls(opts.selection, opts.kv_cache_scales, raw=opts.raw)
         if packed:
             out.packed_modules_mapping = dict(packed)

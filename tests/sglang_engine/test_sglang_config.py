@@ -32,6 +32,9 @@ def test_from_config_wire_checkpoint_with_sglang_injected_keys(sgl):
         LearnerGridConfig.from_config({"quant_method": NAME, "kv_cache_scales": "sometimes"})
     with pytest.raises(ValueError, match="'router_dtype' is vLLM-only"):      # would silently do nothing here
         LearnerGridConfig.from_config({"quant_method": NAME, "router_dtype": "float32"})
+    with pytest.raises(ValueError, match="'producer_qdq' is vLLM-only"):      # likewise
+        LearnerGridConfig.from_config({"quant_method": NAME, "producer_qdq": True})
+    LearnerGridConfig.from_config({"quant_method": NAME, "producer_qdq": False})
     # the class names stay clear of SGLang's string / isinstance special cases
     from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
     from sglang.srt.layers.quantization.fp8 import Fp8Config
