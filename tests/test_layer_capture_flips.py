@@ -54,6 +54,7 @@ def test_a_flip_at_a_midpoint_is_explained_and_the_reference_itself_needs_none()
                         tw, ids)
     same = lc.explain_by_code_flips(x, ref, p, tw, ids)
     assert same["flip_base_within_1ulp"] >= 0.99 and same["flip_within_1ulp"] >= 0.99
+    assert same["flips_used"] == 0
     # the gate_up element whose neighbour moves the output most (a flip of its intermediate code)
     best, worst_base = None, 1.0
     for col in range(0, 2 * INTER, 3):
@@ -91,3 +92,19 @@ def test_a_real_fault_is_not_explained(fault):
                       p_bad["w2_weight_scale_inv"], tw_bad, ids)
     out = lc.explain_by_code_flips(x, y, p, tw, ids, bound_scale=1e6)
     assert out["flip_within_1ulp"] < 0.99
+
+
+def test_an_exact_kernel_output_is_explained_with_no_flip_where_the_fp32_reference_flipped():
+    """The served 30B-A3B case (layer 0's experts, one decode step): the kernel's output equals the
+    FP64-exact grid forward, while the FP32 CPU reference rounded one gate_up element the other way."""
+    x, p, tw, ids = _layer(2)
+    exact = _with_gate_up_neighbour(x, p, tw, ids, slot=-1, col=0)          # no element moved
+    # the reference that rounded one element the other way: the one that moves the output most
+    within = min((lc.ulps(exact, _with_gate_up_neighbour(x, p, tw, ids, 0, c)) <= 1).float().mean().item()
+                 for c in range(0, 2 * INTER, 3))
+    assert within < 0.98
+    out = lc.explain_by_code_flips(x, exact, p, tw, ids)
+    assert out["flip_base_within_1ulp"] == 1.0 and out["flips_used"] == 0
+    row = {"rel": 1e-3, "within_1ulp": within, "layer": "l", "kernel": "marlin", "m": 1, **out}
+    summary, ok = lc.summarize([row])
+    assert ok and summary["moe_off_explained_by_code_flips"] == 1
