@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+
 import torch
 
 from mxfp8_learner_grid.common import producer_fusion as PF
@@ -21,6 +24,7 @@ from mxfp8_learner_grid.common.grid_kernels import LayerSpec
 from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows_reference
 from mxfp8_learner_grid.common.options import GridOptions
 
+import native_ops
 from interpreter import run_ok
 
 
@@ -30,19 +34,11 @@ def _bits(t):
 
 # --- the kernels, under the interpreter -----------------------------------------------------------
 
-_KERNEL_CHECKS = r'''
+_KERNEL_CHECKS = inspect.getsource(native_ops) + r'''
 import torch
 from mxfp8_learner_grid.common.kernels.producer_qdq_triton import rms_norm_qdq, silu_mul_qdq
 from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows_reference
 
-def native(x, r, w, eps):          # vllm.ir.ops.rms_norm / fused_add_rms_norm, native definition
-    s = x.float()
-    ro = None
-    if r is not None:
-        s = s + r.float()
-        ro = s.to(torch.bfloat16)
-    var = s.pow(2).mean(-1, keepdim=True)
-    return (s * torch.rsqrt(var + eps)).to(torch.bfloat16) * w, ro
 
 g = torch.Generator().manual_seed(0)
 worst = 1.0
@@ -55,7 +51,7 @@ for m, k in ((1, 64), (7, 96), (3, 4096), (2, 5120)):
     for res in (None, r):
         out = rms_norm_qdq(x, w, 1e-6, res, return_value=True)
         y, o = (out[0], out[-1])
-        ref_o, ref_r = native(x, res, w, 1e-6)
+        ref_o, ref_r = rms_norm_native(x, res, w, 1e-6)
         assert torch.equal(y.view(torch.int16), qdq_rows_reference(o, torch.bfloat16).view(torch.int16)), (m, k)
         worst = min(worst, (o.view(torch.int16) == ref_o.view(torch.int16)).float().mean().item())
         if res is not None:

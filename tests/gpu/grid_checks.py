@@ -95,3 +95,16 @@ def graph_then_update(kern, layer, x, n, k, seed_new=2):
     graph.replay()
     check_fp32_accumulation(y, x_grid(x), dequantize_blocks(new.weight, new.weight_scale_inv))
     return new
+
+
+def require_marlin():
+    """vLLM's Marlin ops registered as the ``marlin`` provider, or the test skipped."""
+    import pytest
+    from mxfp8_learner_grid.common.grid_kernels import providers
+    try:
+        from mxfp8_learner_grid.vllm_plugin import compat
+        compat.register_kernel_providers()
+    except Exception:
+        pass
+    if providers.get("marlin") is None:
+        pytest.skip("vLLM's Marlin ops are not available")

@@ -20,7 +20,7 @@ from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows  # noqa: 
 from mxfp8_learner_grid.common.grid_kernels import humming as H  # noqa: E402
 
 from .grid_checks import adversarial_weights, bf16_ulps, check_fp32_accumulation, exact_bf16, graph_then_update, \
-    grid_layer, setup_kernel, x_grid  # noqa: E402
+    grid_layer, require_marlin, setup_kernel, x_grid  # noqa: E402
 
 BAND = [1, H.HUMMING_MAX_ROWS + 1]
 
@@ -99,14 +99,7 @@ def test_refresh_in_place_under_cuda_graph_and_stale_copy_caught():
 
 
 def test_band_inside_marlin_kernel():
-    from mxfp8_learner_grid.common.grid_kernels import providers
-    try:
-        from mxfp8_learner_grid.vllm_plugin import compat
-        compat.register_kernel_providers()
-    except Exception:
-        pass
-    if providers.get("marlin") is None:
-        pytest.skip("vLLM's Marlin ops are not available")
+    require_marlin()
     n, k = 6144, 4096
     layer = grid_layer(n, k, seed=4)
     kern = setup_kernel(layer, humming_rows=[17, 129])

@@ -14,19 +14,9 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from mxfp8_learner_grid.common import dequantize_blocks  # noqa: E402
-from mxfp8_learner_grid.common.grid_kernels import providers  # noqa: E402
+from native_ops import rms_norm_native  # noqa: E402  (tests/ is on the path: tests/gpu is a package)
 
-from .grid_checks import check_fp32_accumulation, grid_layer, setup_kernel, x_grid  # noqa: E402
-
-
-def _native(x, r, w, eps):
-    s = x.float()
-    ro = None
-    if r is not None:
-        s = s + r.float()
-        ro = s.to(torch.bfloat16)
-    var = s.pow(2).mean(-1, keepdim=True)
-    return (s * torch.rsqrt(var + eps)).to(torch.bfloat16) * w, ro
+from .grid_checks import check_fp32_accumulation, grid_layer, require_marlin, setup_kernel, x_grid  # noqa: E402
 
 
 @pytest.mark.parametrize("m", [1, 7, 64, 2048])
@@ -42,7 +32,7 @@ def test_rms_norm_qdq_is_qdq_of_the_native_norm(m, k, residual):
     out = rms_norm_qdq(x, w, 1e-6, r, return_value=True)
     y, o = out[0], out[-1]
     assert torch.equal(y.view(torch.int16), qdq_rows(o, torch.bfloat16).view(torch.int16))
-    ref_o, ref_r = _native(x, r, w, 1e-6)
+    ref_o, ref_r = rms_norm_native(x, r, w, 1e-6)
     equal = (o.view(torch.int16) == ref_o.view(torch.int16)).float().mean().item()
     assert equal >= 0.99, equal
     if residual:
@@ -52,13 +42,7 @@ def test_rms_norm_qdq_is_qdq_of_the_native_norm(m, k, residual):
 
 @pytest.fixture(scope="module")
 def marlin():
-    try:
-        from mxfp8_learner_grid.vllm_plugin import compat
-        compat.register_kernel_providers()
-    except Exception:
-        pass
-    if providers.get("marlin") is None:
-        pytest.skip("vLLM's Marlin ops are not available")
+    require_marlin()
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096), (4096, 12288)])
