@@ -4,6 +4,8 @@
 #   bash benchmarks/device_session.sh tiles          # experiment: Marlin MoE's block size / tiles / blocks_per_sm, for the
 #        30B experts and for the 8B projections as one expert (benchmarks/exp_marlin_tiles.py; TILES_ARGS)
 #   bash benchmarks/device_session.sh w8a16p         # experiment: W8A16 with per-32 FP32 promotion vs Marlin / W8A16 / BF16
+#   bash benchmarks/device_session.sh fp8p           # experiment: FP8 MMA (e4m3 x e4m3) with per-32 promotion: is the tensor
+#        core's 32-term sum exact (probe), then exactness + time vs BF16 / Marlin / _scaled_mm (FP8P_ARGS)
 #   HUMMING_ENV=1 bash benchmarks/device_session.sh humming   # humming band: GPU tests + exp_humming.py -> /tmp/humming_band.json
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
@@ -78,6 +80,10 @@ case "${1:-kernels}" in
   w8a16p) # experiment: the W8A16 GEMM with the scales applied to FP32 partial sums per 32-block (benchmarks/exp_w8a16_promote.py)
     python3 benchmarks/exp_w8a16_promote.py --out "$OUT/w8a16p.jsonl" ${W8A16P_ARGS:-} 2>&1 | tee "$OUT/w8a16p.log" \
       | grep -E "M=|W8A16P_SUM|Error|direct" | tail -40
+    ;;
+  fp8p)   # experiment: FP8 tensor cores with the E8M0 scales applied per 32-block (benchmarks/exp_fp8_promote.py)
+    python3 benchmarks/exp_fp8_promote.py --out "$OUT/fp8p.jsonl" ${FP8P_ARGS:-} 2>&1 | tee "$OUT/fp8p.log" \
+      | grep -E "PROBE|EXACT|M=|FP8P_SUM|Error" | tail -60
     ;;
   kernels)
     python3 -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
