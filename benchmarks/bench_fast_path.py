@@ -57,6 +57,15 @@ def commit():
         return "?"
 
 
+def weight_copies(n, k, device="cuda"):
+    """The wire bytes (E4M3 codes, E8M0 scales) of as many [n, k] weights as defeat the L2 when timed in turn (2 to
+    16), copy i seeded as ``make_layer(n, k, i, ...)`` seeds its own, and their bf16 dequantization."""
+    copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
+    raw = [quantize_rows(torch.randn(n, k, device=device, generator=torch.Generator(device=device).manual_seed(i))
+                         * 0.02) for i in range(copies)]
+    return raw, [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
+
+
 def make_layer(n, k, seed, crossover, band=None, copy_rows=0, gemv_rows=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     wq, ws = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)

@@ -214,9 +214,8 @@ def main():
         check_interpreter()
         return
     sys.path.insert(0, os.path.dirname(__file__))
-    from bench_fast_path import L2_BYTES, SHAPES, commit, make_layer, time_arms
+    from bench_fast_path import SHAPES, commit, make_layer, time_arms, weight_copies
 
-    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
     from mxfp8_learner_grid.common.kernels.quantize_triton import quantize_rows_triton
     meta = {"date": __import__("datetime").date.today().isoformat(), "commit": commit(),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -234,13 +233,8 @@ def main():
     total: dict = {}
     for sname in args.shapes.split(","):
         n, k = SHAPES[sname]
-        copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
-        raw = []
-        for i in range(copies):
-            gg = torch.Generator(device="cuda").manual_seed(i)
-            raw.append(quantize_rows(torch.randn(n, k, device="cuda", generator=gg) * 0.02))
-        wb = [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
-        lays = [make_layer(n, k, i, 256) for i in range(copies)] if have_marlin else []
+        raw, wb = weight_copies(n, k)
+        lays = [make_layer(n, k, i, 256) for i in range(len(raw))] if have_marlin else []
         # rowwise FP8 off the grid: per-row amax scales of the same weights
         w8 = []
         for w in wb:

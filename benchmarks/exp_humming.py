@@ -172,9 +172,9 @@ def main():
     # a hang shows where: on the H200 (twelfth session) this script made no progress for ~290 s after humming's
     # first kernel (37.8 s, cold caches) and printed nothing more; every stack is dumped if it runs this long
     faulthandler.dump_traceback_later(args.budget_s + 60, repeat=True)
-    from bench_fast_path import L2_BYTES, SHAPES, commit, make_layer, time_arms
+    from bench_fast_path import SHAPES, commit, make_layer, time_arms, weight_copies
 
-    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
+    from mxfp8_learner_grid.common import quantize_rows
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
     meta = {"date": __import__("datetime").date.today().isoformat(), "commit": commit(),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -212,14 +212,9 @@ def main():
     total: dict = {}
     for sname in args.shapes.split(","):
         n, k = SHAPES[sname]
-        copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
-        raw = []
-        for i in range(copies):
-            gg = torch.Generator(device="cuda").manual_seed(i)
-            raw.append(quantize_rows(torch.randn(n, k, device="cuda", generator=gg) * 0.02))
-        step(f"{sname}: {copies} weight copies quantized")
-        wb = [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
-        step(f"{sname}: dequantized")
+        raw, wb = weight_copies(n, k)
+        copies = len(raw)
+        step(f"{sname}: {copies} weight copies quantized and dequantized")
         t1 = time.time()
         hums = [humming_layer(q, s) for q, s in raw[:1]]
         step(f"{sname}: first humming layer (its repack kernel)")

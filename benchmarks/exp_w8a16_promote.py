@@ -153,9 +153,8 @@ def main():
         check_interpreter()
         return
     sys.path.insert(0, os.path.dirname(__file__))
-    from bench_fast_path import L2_BYTES, SHAPES, commit, exact_ref, make_layer, on_grid, time_arms
+    from bench_fast_path import SHAPES, commit, exact_ref, make_layer, on_grid, time_arms, weight_copies
 
-    from mxfp8_learner_grid.common import dequantize_blocks, quantize_rows
     from mxfp8_learner_grid.common.kernels.qdq_triton import qdq_rows
     from mxfp8_learner_grid.common.kernels.w8a16_triton import w8a16_gemm
     from mxfp8_learner_grid.vllm_plugin import compat
@@ -166,13 +165,8 @@ def main():
     total: dict = {}
     for sname in args.shapes.split(","):
         n, k = SHAPES[sname]
-        copies = max(2, min(16, -(-L2_BYTES // (n * k * 2))))
-        lays = [make_layer(n, k, i, 1 << 30) for i in range(copies)]                 # Marlin (the default)
-        raw = []                                   # the wire bytes of each copy (make_layer's seeds)
-        for i in range(copies):
-            gg = torch.Generator(device="cuda").manual_seed(i)
-            raw.append(quantize_rows(torch.randn(n, k, device="cuda", generator=gg) * 0.02))
-        wb = [dequantize_blocks(q, s).to(torch.bfloat16) for q, s in raw]
+        raw, wb = weight_copies(n, k)               # the wire bytes of each copy (make_layer's seeds)
+        lays = [make_layer(n, k, i, 1 << 30) for i in range(len(raw))]               # Marlin (the default)
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xg = qdq_rows(x)
