@@ -118,7 +118,8 @@ def main():
 
 def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid_options=None):
     """Each arm in its own process (``script --worker ARM``), its ROW lines recorded as JSON lines in
-    ``out`` (date, shape, arm, conc, out_tok_s, load_s, engine, commit, secs), ratios to bf16 printed.
+    ``out`` (date, shape, arm, conc, out_tok_s, load_s, engine, commit, secs, and where the worker
+    gives them its repetitions and the engine's memory account), ratios to bf16 printed.
     Shared with bench_e2e_sglang.py."""
     # the device copy of the tree may carry a stale .git: the caller can name the commit (GRID_COMMIT)
     commit = os.environ.get("GRID_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
@@ -133,6 +134,9 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                 text, rc = r.stdout + r.stderr, r.returncode
             except subprocess.TimeoutExpired as exc:
                 text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"
+            if os.environ.get("E2E_ARM_LOGS"):          # each arm's whole output, for the record
+                with open(os.path.join(os.environ["E2E_ARM_LOGS"], f"e2e-{shape}-{arm}.log"), "a") as log:
+                    log.write(text)
             got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
             kernels = sorted({ln.split("-> kernel", 1)[1].strip()[:120] for ln in text.splitlines() if "-> kernel" in ln})
             if kernels:
@@ -143,8 +147,9 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                 rec = {"date": datetime.date.today().isoformat(), "shape": shape, "arm": arm, "conc": g["conc"],
                        "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": engine,
                        "commit": commit, "secs": g["secs"]}
-                if "reps" in g:
-                    rec["reps"] = g["reps"]
+                for key in ("reps", "memory"):
+                    if key in g:
+                        rec[key] = g[key]
                 if arm == "grid+" and grid_options:
                     rec["options"] = grid_options
                 if kernels:

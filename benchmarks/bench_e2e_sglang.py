@@ -29,6 +29,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_e2e import make_model_dir, run_arms  # noqa: E402
 
 
+def memory_usage(eng):
+    """SGLang's own account of the engine's memory (GB of weights -- derived tensors included, as
+    measured around the load -- of KV cache, and the KV token capacity), or None where it has none."""
+    try:
+        states = eng.get_server_info().get("internal_states") or [{}]
+        mem = states[0].get("memory_usage") or {}
+        return {k: mem[k] for k in ("weight", "kvcache", "token_capacity") if k in mem} or None
+    except Exception as exc:                      # a benchmark row still counts without it
+        print(f"memory_usage: {exc!r}", flush=True)
+        return None
+
+
 def worker(shape, arm, concs, grid_options, reps=1):
     import sglang as sgl
     kw = dict(model_path=make_model_dir(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -44,6 +56,7 @@ def worker(shape, arm, concs, grid_options, reps=1):
     t0 = time.time()
     eng = sgl.Engine(**kw)
     load_s = time.time() - t0
+    mem = memory_usage(eng)
     sp = {"max_new_tokens": 256, "ignore_eos": True, "temperature": 0}
     random.seed(0)
     for c in concs:
@@ -58,7 +71,7 @@ def worker(shape, arm, concs, grid_options, reps=1):
             rates.append(round(n / dt, 1))
             secs.append(round(dt, 2))
         print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
-                                   "secs": secs, "load_s": round(load_s, 1)}), flush=True)
+                                   "secs": secs, "load_s": round(load_s, 1), **({"memory": mem} if mem else {})}), flush=True)
     try:
         eng.shutdown()
     except Exception:

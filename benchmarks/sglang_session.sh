@@ -52,7 +52,7 @@ case "${1:-serve}" in
     done
     ;;
   e2e)
-    python3 benchmarks/bench_e2e_sglang.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
+    E2E_ARM_LOGS="$OUT" python3 benchmarks/bench_e2e_sglang.py --shape "${2:-qwen3-8b}" --arms "${3:-bf16,grid}" --conc "${4:-1,16,64}" \
       --grid-options "${5:-}" --reps "${REPS:-2}" \
       --arm-timeout "${ARM_TIMEOUT:-400}" --out "$OUT/e2e-sglang-h200.jsonl" 2>&1 | grep -v " INFO \|^\s*$" | tail -30
     ;;
