@@ -13,7 +13,8 @@ import torch
 from mxfp8_learner_grid.common.grid_kernels import LayerSpec
 from mxfp8_learner_grid.common.grid_kernels import providers as P
 from mxfp8_learner_grid.common.grid_kernels.marlin import (batched_repack_agrees, marlin_scales,
-                                                           marlin_weights_batched, weight_perm_8bit)
+                                                           marlin_unpack_batched, marlin_weights_batched,
+                                                           weight_perm_8bit)
 from mxfp8_learner_grid.common.grid_kernels.marlin_moe import expert_runs
 from mxfp8_learner_grid.common.refresh import deferred_refresh, mark_written
 
@@ -82,6 +83,38 @@ def test_batched_repack_of_many_experts_at_once_and_in_place(monkeypatch):
         marlin_weights_batched(_codes(96, 128))
     with pytest.raises(ValueError, match="out must be contiguous int32"):
         marlin_weights_batched(w[0], out=torch.zeros(8, 512, dtype=torch.int32).t())
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (128, 64), (256, 512), (1536, 2048), (2048, 768), (192, 48)])
+def test_unpack_gives_back_the_codes_of_vllms_packing(n, k):
+    """Every byte of vLLM's own packing read back to the [N, K] codes it was made of (the layout a layer
+    that keeps only the packed copy would read its engine bytes from)."""
+    w = _codes(n, k, seed=7 * n + k)
+    got = marlin_unpack_batched(_vllm_reference(w), n)
+    assert got.dtype == torch.float8_e4m3fn and tuple(got.shape) == (n, k)
+    assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
+
+
+def test_unpack_of_many_experts_in_groups_and_in_place(monkeypatch):
+    from mxfp8_learner_grid.common.grid_kernels import marlin as M
+    w = _codes(5, 128, 256, seed=11)
+    packed = marlin_weights_batched(w)
+    for chunk in (M.REPACK_CHUNK_BYTES, 2 * 128 * 256, 1):              # all at once; 2, 2, 1; one at a time
+        monkeypatch.setattr(M, "REPACK_CHUNK_BYTES", chunk)
+        assert torch.equal(marlin_unpack_batched(packed, 128).view(torch.uint8), w.view(torch.uint8))
+    out = torch.zeros(5, 128, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    res = marlin_unpack_batched(packed[1:4], 128, out=out[1:4])
+    assert res.data_ptr() == out[1:4].data_ptr()
+    b = out.view(torch.uint8)
+    assert torch.equal(b[1:4], w.view(torch.uint8)[1:4]) and not b[0].any() and not b[4].any()
+    bumped = packed.clone()
+    bumped.view(torch.uint8).view(-1)[12345] ^= 1                       # one byte changed: one code changed
+    diff = marlin_unpack_batched(bumped, 128).view(torch.uint8) != w.view(torch.uint8)
+    assert int(diff.sum()) == 1
+    with pytest.raises(ValueError, match="want int32"):
+        marlin_unpack_batched(packed, 64)
+    with pytest.raises(ValueError, match="out must be contiguous float8_e4m3fn"):
+        marlin_unpack_batched(packed[0], 128, out=torch.zeros(256, 128, dtype=torch.uint8).view(torch.float8_e4m3fn))
 
 
 def test_the_agreement_with_the_engines_op_is_checked_once_per_shape(caplog):

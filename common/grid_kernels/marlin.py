@@ -161,6 +161,47 @@ def marlin_weights_batched(w: torch.Tensor, out: Optional[torch.Tensor] = None) 
     return out
 
 
+def _weight_perm_inverse(device) -> torch.Tensor:
+    key = "inverse:" + str(device)
+    if key not in _WEIGHT_PERMS:
+        perm = _weight_perm(device)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=device)
+        _WEIGHT_PERMS[key] = inv
+    return _WEIGHT_PERMS[key]
+
+
+def marlin_unpack_batched(packed: torch.Tensor, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The inverse of :func:`marlin_weights_batched`: Marlin's int32 layout [..., K/16, 4 N] -> the fp8
+    [..., N, K] codes it was made of (``out``: contiguous, written in place, and returned).  The layout is a
+    byte permutation, so this is one gather and one permuting copy per group of matrices, exact for every
+    byte.  It is what a layer that keeps only the packed copy resident would read its codes back with (the
+    checks' engine bytes, a partial write's read-modify-write); nothing in the shipped paths calls it yet."""
+    *lead, kt, n4 = packed.shape
+    t_ = MARLIN_TILE
+    k = kt * t_
+    if n4 != 4 * n or packed.dtype != torch.int32 or not batched_repack_shape_ok(n, k):
+        raise ValueError(f"marlin_unpack_batched: want int32 [..., K/16, 4 N] with N={n} a multiple of 64; "
+                         f"got {packed.dtype} {list(packed.shape)}")
+    shape = (*lead, n, k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=packed.device)
+    elif not out.is_contiguous() or tuple(out.shape) != shape or out.dtype != torch.float8_e4m3fn \
+            or out.device != packed.device:
+        raise ValueError(f"marlin_unpack_batched: out must be contiguous float8_e4m3fn {list(shape)} on "
+                         f"{packed.device}; got {out.dtype} {list(out.shape)} on {out.device}")
+    groups = n * t_ // _WEIGHT_PERM_SPAN
+    src = packed.contiguous().view(torch.uint8).view(-1, kt, groups, _WEIGHT_PERM_SPAN)
+    codes = out.view(torch.uint8).view(-1, n, k)
+    inv = _weight_perm_inverse(packed.device)
+    step = max(1, REPACK_CHUNK_BYTES // (n * k))
+    for lo in range(0, src.shape[0], step):
+        tiles = torch.index_select(src[lo:lo + step], -1, inv)             # [E, K/16, groups, 1024]
+        tiles = tiles.view(-1, kt, n // t_, t_, t_)                         # [E, K/16, N/16, k, n]
+        codes[lo:lo + step].view(-1, n // t_, t_, kt, t_).copy_(tiles.permute(0, 2, 4, 1, 3))
+    return out
+
+
 def marlin_pack(ops, w: torch.Tensor, batched: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp8 [..., N, K] -> Marlin's tiled int32 layout [..., K/16, 4 N] (``out``: written in place, and returned):
     :func:`marlin_weights_batched` where it agrees with the engine's op for the shape (``batched``, from
