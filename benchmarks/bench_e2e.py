@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,12 +65,29 @@ def llm_kwargs(shape, arm, max_num_seqs, grid_options):
     return kw
 
 
+def kv_capacity(llm):
+    """The engine's KV-cache capacity in tokens (``num_gpu_blocks`` x ``block_size``, which the engine core
+    reports back to the front end), or None where it has none."""
+    try:
+        cc = llm.llm_engine.vllm_config.cache_config
+        return {"token_capacity": int(cc.num_gpu_blocks) * int(cc.block_size)} if cc.num_gpu_blocks else None
+    except Exception as exc:                      # a benchmark row still counts without it
+        print(f"kv_capacity: {exc!r}", flush=True)
+        return None
+
+
+#: vLLM's log line for the memory its model took at load (process_weights_after_loading, so derived
+#: tensors, included)
+_VLLM_WEIGHTS = re.compile(r"Model loading took ([0-9.]+) GiB")
+
+
 def worker(shape, arm, concs, grid_options, reps=1):
     from vllm import LLM, SamplingParams
     kw = llm_kwargs(shape, arm, max(concs), grid_options)
     t0 = time.time()
     llm = LLM(**kw)
     load_s = time.time() - t0
+    mem = kv_capacity(llm)
     sp = SamplingParams(max_tokens=256, ignore_eos=True, detokenize=False, temperature=0)
     random.seed(0)
     for c in concs:
@@ -86,7 +104,7 @@ def worker(shape, arm, concs, grid_options, reps=1):
             rates.append(round(n / dt, 1))
             secs.append(round(dt, 2))
         print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
-                                   "secs": secs, "load_s": round(load_s, 1)}), flush=True)
+                                   "secs": secs, "load_s": round(load_s, 1), **({"memory": mem} if mem else {})}), flush=True)
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -138,6 +156,10 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                 with open(os.path.join(os.environ["E2E_ARM_LOGS"], f"e2e-{shape}-{arm}.log"), "a") as log:
                     log.write(text)
             got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+            weights = _VLLM_WEIGHTS.search(text)
+            if weights:                               # vLLM: the weights' GiB from its own log
+                for g in got:
+                    g.setdefault("memory", {}).setdefault("weight", float(weights.group(1)))
             kernels = sorted({ln.split("-> kernel", 1)[1].strip()[:120] for ln in text.splitlines() if "-> kernel" in ln})
             if kernels:
                 print(f"[{arm}] kernels: {kernels[:6]}", flush=True)
