@@ -7,6 +7,8 @@ its own loader, its on-grid layers, the layout it expects, its KV-scale and deri
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .derived import DerivedRegistry
@@ -57,8 +59,9 @@ class EngineAdapter:
         """Problems of the per-shard write accounting (each shard written exactly once)."""
         return []
 
-    def expected_boxes(self, w: Write):
-        """(src_box, dest_box) the engine's layout implies for this write, or None if it has no opinion."""
+    def expected_boxes(self, w: Write, modules: Optional[dict] = None):
+        """(src_box, dest_box) the engine's layout implies for this write, or None if it has no opinion.
+        ``modules``: the model's modules by name, where the caller looked them up once for many writes."""
         return None
 
     def scope(self, touched: set[str]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ region fingerprints (``fingerprints.py``); the client decides against the learne
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from .derived import differs
 from .digest import read_flags
@@ -38,11 +39,20 @@ def completeness(s) -> CheckResult:
     return CheckResult("completeness", not problems, problems, _now() - t0, s.adapter.rank)
 
 
+def _modules_by_name(adapter) -> Optional[dict]:
+    """The engine model's modules by name, once per check (None: the adapter has no model to give)."""
+    try:
+        return dict(adapter.model().named_modules())
+    except NotImplementedError:
+        return None
+
+
 def layout(s) -> CheckResult:
     t0 = _now()
     problems, checked = [], 0
+    modules = _modules_by_name(s.adapter) if s.recorder.writes else None
     for w in s.recorder.writes:
-        exp = s.adapter.expected_boxes(w)
+        exp = s.adapter.expected_boxes(w, modules)
         if exp is None:
             continue
         checked += 1
