@@ -40,9 +40,10 @@ def completeness(s) -> CheckResult:
 
 
 def _modules_by_name(adapter) -> Optional[dict]:
-    """The engine model's modules by name, once per check (None: the adapter has no model to give)."""
+    """The engine model's modules by name, once per check (None: the adapter has no model to give).  Every
+    name of a module reached under several (``remove_duplicate=False``), as ``get_submodule`` finds them."""
     try:
-        return dict(adapter.model().named_modules())
+        return dict(adapter.model().named_modules(remove_duplicate=False))
     except NotImplementedError:
         return None
 

@@ -81,8 +81,8 @@ class GridLayoutMixin:
 
     def expected_boxes(self, w, modules: Optional[dict] = None):
         """(box in the learner tensor, box in the engine parameter) the write ``w`` should have had.
-        ``modules``: ``dict(model.named_modules())``, looked up once by a caller that asks for many writes
-        (the ``layout`` check: a 30B-A3B update has ~18,700 writes)."""
+        ``modules``: the model's modules by name, looked up once by a caller that asks for many writes
+        (the ``layout`` check: a 24-layer Qwen3-30B-A3B update makes ~18,700)."""
         if w.role not in ("data", "scale") or w.dest_box is None:
             return None
         mod_name = w.param.rpartition(".")[0]
