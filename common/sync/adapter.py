@@ -7,8 +7,6 @@ its own loader, its on-grid layers, the layout it expects, its KV-scale and deri
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .derived import DerivedRegistry
@@ -59,9 +57,9 @@ class EngineAdapter:
         """Problems of the per-shard write accounting (each shard written exactly once)."""
         return []
 
-    def expected_boxes(self, w: Write, modules: Optional[dict] = None):
+    def expected_boxes(self, w: Write, modules: dict):
         """(src_box, dest_box) the engine's layout implies for this write, or None if it has no opinion.
-        ``modules``: the model's modules by name, where the caller looked them up once for many writes."""
+        ``modules``: the model's modules by name, looked up once by the caller for all its writes."""
         return None
 
     def scope(self, touched: set[str]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ region fingerprints (``fingerprints.py``); the client decides against the learne
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from .derived import differs
 from .digest import read_flags
@@ -39,19 +38,19 @@ def completeness(s) -> CheckResult:
     return CheckResult("completeness", not problems, problems, _now() - t0, s.adapter.rank)
 
 
-def _modules_by_name(adapter) -> Optional[dict]:
-    """The engine model's modules by name, once per check (None: the adapter has no model to give).  Every
+def _modules_by_name(adapter) -> dict:
+    """The engine model's modules by name, once per check (empty: the adapter has no model to give).  Every
     name of a module reached under several (``remove_duplicate=False``), as ``get_submodule`` finds them."""
     try:
         return dict(adapter.model().named_modules(remove_duplicate=False))
     except NotImplementedError:
-        return None
+        return {}
 
 
 def layout(s) -> CheckResult:
     t0 = _now()
     problems, checked = [], 0
-    modules = _modules_by_name(s.adapter) if s.recorder.writes else None
+    modules = _modules_by_name(s.adapter) if s.recorder.writes else {}
     for w in s.recorder.writes:
         exp = s.adapter.expected_boxes(w, modules)
         if exp is None:

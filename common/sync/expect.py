@@ -79,22 +79,15 @@ class GridLayoutMixin:
     def grid_accounting(self) -> list[str]:
         return accounting_problems(self.grid_layers(), self.partial)
 
-    def expected_boxes(self, w, modules: Optional[dict] = None):
+    def expected_boxes(self, w, modules: dict):
         """(box in the learner tensor, box in the engine parameter) the write ``w`` should have had.
-        ``modules``: the model's modules by name, looked up once by a caller that asks for many writes
-        (the ``layout`` check: a 24-layer Qwen3-30B-A3B update makes ~18,700)."""
+        ``modules``: the model's modules by name, looked up once by the ``layout`` check for all its writes
+        (a 24-layer Qwen3-30B-A3B update makes ~18,700)."""
         if w.role not in ("data", "scale") or w.dest_box is None:
             return None
-        mod_name = w.param.rpartition(".")[0]
-        if modules is not None:
-            layer = modules.get(mod_name)
-            if layer is None:
-                return None
-        else:
-            try:
-                layer = self.model().get_submodule(mod_name)
-            except AttributeError:
-                return None
+        layer = modules.get(w.param.rpartition(".")[0])
+        if layer is None:
+            return None
         div = F.BLOCK_SIZE if w.role == "scale" else 1
         m = EXPERT.search("." + w.source)
         if m is not None and hasattr(layer, "grid_num_local_experts"):
