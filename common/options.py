@@ -25,6 +25,9 @@ Keys (all optional)::
                                                                 # lo <= M < hi (dense layers: run as one expert);
                                                                 # default: measured MoE rows on sm_90
                                                                 # (grid_kernels/marlin_launch.py; off: [])
+    moe_single_copy: true                                       # Marlin MoE: the packed weights are the experts' one
+                                                                # copy of their codes (1 byte/weight instead of 2;
+                                                                # common/packed_codes.py; default: off)
     cpu_weight_cache: true                                      # CPU: keep an fp32 copy of W's grid values
     router_dtype: float32                                       # MoE router logits in FP32 (Megatron's
                                                                 # moe_router_dtype=fp32; default: model dtype)
@@ -50,7 +53,7 @@ KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_vers
                         "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
                         "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
                         "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots", "humming_rows",
-                        "humming_tile", "marlin_configs", "producer_qdq"})
+                        "humming_tile", "marlin_configs", "producer_qdq", "moe_single_copy"})
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 
@@ -111,8 +114,9 @@ class GridOptions:
                              f"got {slots!r}")
         from .grid_kernels.marlin_launch import parse_rows
         parse_rows(self.raw.get("marlin_configs"))
-        if not isinstance(self.raw.get("producer_qdq", False), bool):
-            raise ValueError(f"producer_qdq must be true or false; got {self.raw.get('producer_qdq')!r}")
+        for key in ("producer_qdq", "moe_single_copy"):
+            if not isinstance(self.raw.get(key, False), bool):
+                raise ValueError(f"{key} must be true or false; got {self.raw.get(key)!r}")
         if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
             raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:

@@ -253,3 +253,64 @@ def test_moe_experts_whose_batched_repack_disagrees_keep_the_engines_op(monkeypa
     with deferred_refresh():
         mark_written(layer, 3)
     assert ops.calls == 8 + 1 + 2        # the load (its first check fails), then expert 3's two GEMMs, by the op
+
+
+def test_moe_codes_held_once_in_the_packed_buffer(monkeypatch):
+    """Option ``moe_single_copy``: after the load the experts' code parameters are PackedCodes over the
+    buffers Marlin reads (no second copy); a loader's write into a parameter lands in Marlin's bytes, the
+    refresh rebuilds only the scales, and ``derived_state`` has no packed weight left to rebuild."""
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import MarlinMoE
+    from mxfp8_learner_grid.common.packed_codes import PackedCodes, plain
+    ops = ReferenceMarlin()
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": ops})
+    e, h, inter = 4, 128, 64
+    kern = MarlinMoE(_spec(kind="moe", prefix="model.layers.0.mlp.experts", n=2 * inter, k=h, intermediate=inter,
+                           num_experts=e, options={"marlin_configs": [], "moe_single_copy": True}))
+    codes = {"w13": _codes(e, 2 * inter, h, seed=5), "w2": _codes(e, h, inter, seed=6)}
+    kern, layer = _processed(kern, w13_weight=codes["w13"].clone(),
+                             w13_weight_scale_inv=_scales(e, 2 * inter, h // 32, seed=5),
+                             w2_weight=codes["w2"].clone(), w2_weight_scale_inv=_scales(e, h, inter // 32, seed=6))
+    assert "codes held once" in kern.describe()
+    ptrs = {}
+    for which in ("w13", "w2"):
+        w, live = getattr(layer, f"{which}_weight"), getattr(layer, f"grid_marlin_{which}")
+        assert isinstance(w, PackedCodes) and w.packed is live and w.data_ptr() == live.data_ptr()
+        assert torch.equal(plain(w).view(torch.uint8), codes[which].view(torch.uint8))
+        for ex in range(e):
+            assert torch.equal(live[ex], _vllm_reference(codes[which][ex])), (which, ex)
+        ptrs[which] = live.data_ptr()
+    assert set(kern.derived(layer)) == {"grid_marlin_w13_scale", "grid_marlin_w2_scale"}
+    new_up = _codes(inter, h, seed=40)
+    layer.w13_weight.data[2].narrow(0, inter, inter).copy_(new_up)      # an up_proj shard, as the loaders write it
+    layer.w2_weight_scale_inv.data[2].copy_(_scales(h, inter // 32, seed=41))
+    codes["w13"][2, inter:].copy_(new_up)
+    with deferred_refresh():
+        mark_written(layer, 2)
+    assert ops.calls == 2                                       # the load's two shape checks; no repack since
+    for which in ("w13", "w2"):
+        live = getattr(layer, f"grid_marlin_{which}")
+        assert live.data_ptr() == ptrs[which]
+        for ex in range(e):
+            assert torch.equal(live[ex], _vllm_reference(codes[which][ex])), (which, ex)
+        assert torch.equal(getattr(layer, f"grid_marlin_{which}_scale"),
+                           marlin_scales(getattr(layer, f"{which}_weight_scale_inv")))
+    for name, (live, build) in kern.derived(layer).items():
+        assert torch.equal(live, build()), name
+    layer.grid_marlin_w13 = layer.grid_marlin_w13.clone()           # a rebound buffer: the kernel says so
+    with pytest.raises(ValueError, match="grid_marlin_w13 was rebound"):
+        kern.refresh(layer)
+
+
+def test_moe_single_copy_refuses_what_reads_the_checkpoint_layout(monkeypatch):
+    from mxfp8_learner_grid.common.grid_kernels.marlin_moe import MarlinMoE
+    from mxfp8_learner_grid.common.options import GridOptions
+    monkeypatch.setattr(P, "_PROVIDERS", {"marlin": ReferenceMarlin(perturb=True)})
+    base = dict(kind="moe", prefix="model.layers.0.mlp.experts", n=128, k=128, intermediate=64, num_experts=4)
+    with pytest.raises(ValueError, match="moe_single_copy.*moe_gemv_slots: 0"):
+        MarlinMoE(_spec(**{**base, "intermediate": 128}, options={"moe_single_copy": True, "moe_gemv_slots": 64}))
+    kern = MarlinMoE(_spec(**base, options={"marlin_configs": [], "moe_single_copy": True}))
+    with pytest.raises(ValueError, match="moe_single_copy needs the batched Marlin repack"):
+        _processed(kern, w13_weight=_codes(4, 128, 128), w13_weight_scale_inv=_scales(4, 128, 4),
+                   w2_weight=_codes(4, 128, 64), w2_weight_scale_inv=_scales(4, 128, 2))
+    with pytest.raises(ValueError, match="moe_single_copy must be true or false"):
+        GridOptions.from_dict({"moe_single_copy": "yes"})

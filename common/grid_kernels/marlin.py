@@ -567,7 +567,8 @@ def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix:
     low = scales < BF16_EXACT_MIN_SCALE
     if not bool(low.any()):
         return
-    blocks = weight.view(torch.uint8).reshape(*scales.shape, F.BLOCK_SIZE) & 0x7F
+    from ..packed_codes import plain
+    blocks = plain(weight).view(torch.uint8).reshape(*scales.shape, F.BLOCK_SIZE) & 0x7F
     bad = low & (blocks != 0).any(-1)
     if bool(bad.any()):
         raise ValueError(f"{prefix}: {int(bad.sum())} weight blocks have E8M0 scale byte < {BF16_EXACT_MIN_SCALE} "

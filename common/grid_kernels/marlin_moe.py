@@ -45,6 +45,7 @@ import torch.nn.functional as Fn
 
 from . import marlin_launch, providers
 from .base import GridKernel
+from ..packed_codes import PackedCodes, hold_packed
 from .marlin import (_marlin_supported, batched_repack_agrees, check_bf16_exact_weights, guard_bf16_exact_weights,
                      marlin_pack, marlin_scales)
 
@@ -214,11 +215,18 @@ class MarlinMoE(GridKernel):
         self.cfg2 = marlin_launch.rows_for(spec.options, spec.k, spec.intermediate, defaults)
         self.default_knobs = marlin_launch.uses_defaults(spec.options)
         self.batched = False       # refreshes repack all experts at once (marlin_weights_batched, checked at load)
+        #: option ``moe_single_copy``: the packed weights are the experts' only codes (``common.packed_codes``)
+        self.single_copy = bool(spec.options.get("moe_single_copy", False))
+        if self.single_copy and self.gemv_slots:
+            raise ValueError(f"{spec.prefix}: moe_single_copy keeps the experts' codes only in Marlin's layout, "
+                             f"and the expert GEMV (moe_gemv_slots: {self.gemv_slots}) reads the checkpoint layout; "
+                             f"set moe_gemv_slots: 0")
 
     def describe(self):
         src = "marlin_configs defaults" if self.default_knobs else "marlin_configs"
         tuned = f" (launch knobs from {src})" if self.cfg13 or self.cfg2 else ""
-        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin" + tuned
+        once = ", codes held once (packed)" if self.single_copy else ""
+        return (f"expert GEMV (slots <= {self.gemv_slots}) + " if self.gemv_slots else "") + "marlin" + tuned + once
 
     def derived_names(self, layer):
         return ("grid_marlin_w13", "grid_marlin_w2", "grid_marlin_w13_scale", "grid_marlin_w2_scale")
@@ -244,9 +252,32 @@ class MarlinMoE(GridKernel):
                 self.register_derived_buffer(layer, f"grid_marlin_{which}_scale", self._scales(layer, which))
             workspace = providers.get("marlin").workspace(layer.w13_weight.device, marlin_launch.MAX_BLOCKS_PER_SM)
             self.register_derived_buffer(layer, "grid_marlin_workspace", workspace)
+            if self.single_copy:
+                self._hold_packed(layer)
             self._probe_launch_knobs(layer)
         else:
             self.refresh(layer)
+
+    def _hold_packed(self, layer) -> None:
+        """Option ``moe_single_copy``: the packed weights become the experts' one copy of their codes
+        (``packed_codes.hold_packed``); the checkpoint-layout storage is released.  Writes then repack in
+        place through the parameter, so only the batched repack (the layout ``PackedCodes`` writes) may be
+        the engine's."""
+        if not self.batched:
+            raise ValueError(f"{self.spec.prefix}: moe_single_copy needs the batched Marlin repack, and it does not "
+                             f"make the engine's bytes for this layer's shapes (see the warning above); "
+                             f"set moe_single_copy: false")
+        for which in ("w13", "w2"):
+            hold_packed(layer, f"{which}_weight", getattr(layer, f"grid_marlin_{which}"))
+
+    def _held(self, layer, which: str) -> bool:
+        w = getattr(layer, f"{which}_weight")
+        if not isinstance(w, PackedCodes):
+            return False
+        if w.packed is not getattr(layer, f"grid_marlin_{which}"):
+            raise ValueError(f"{self.spec.prefix}.{which}: the parameter's packed codes are not the buffer the "
+                             f"kernel reads (grid_marlin_{which} was rebound)")
+        return True
 
     def _probe_launch_knobs(self, layer) -> None:
         """Each ``marlin_configs`` row of this layer, its GEMM run once at the row's first M (random tokens
@@ -293,18 +324,22 @@ class MarlinMoE(GridKernel):
         for which in ("w13", "w2"):          # whole tensors: two launches per layer, not per expert
             guard_bf16_exact_weights(getattr(layer, f"{which}_weight_scale_inv"), getattr(layer, f"{which}_weight"),
                                      f"{self.spec.prefix}.{which}")
+        held = {which: self._held(layer, which) for which in ("w13", "w2")}
         with torch.no_grad():
             for lo, hi in expert_runs(n, experts):      # each run of written experts at once, in place
                 for which in ("w13", "w2"):
-                    self._packed(layer, which, getattr(layer, f"grid_marlin_{which}")[lo:hi], lo, hi)
+                    if not held[which]:                 # held once: the write repacked the codes already
+                        self._packed(layer, which, getattr(layer, f"grid_marlin_{which}")[lo:hi], lo, hi)
                     getattr(layer, f"grid_marlin_{which}_scale")[lo:hi].copy_(self._scales(layer, which, lo, hi))
 
     def derived(self, layer):
         out = {}
         for which in ("w13", "w2"):
-            # each builder rebuilds only its own tensor (the derived_state check calls both)
-            out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
-                                           lambda which=which: self._packed(layer, which))
+            # each builder rebuilds only its own tensor (the derived_state check calls both); codes held
+            # once are no derived tensor: the packed buffer is the parameter's state
+            if not self._held(layer, which):
+                out[f"grid_marlin_{which}"] = (getattr(layer, f"grid_marlin_{which}"),
+                                               lambda which=which: self._packed(layer, which))
             out[f"grid_marlin_{which}_scale"] = (getattr(layer, f"grid_marlin_{which}_scale"),
                                                  lambda which=which: self._scales(layer, which))
         return out
@@ -314,5 +349,6 @@ class MarlinMoE(GridKernel):
         return torch.ops.mxfp8_learner_grid.moe_marlin(
             x, layer.grid_marlin_w13, layer.grid_marlin_w13_scale, layer.grid_marlin_w2, layer.grid_marlin_w2_scale,
             layer.grid_marlin_workspace, topk_weights, topk_ids, expert_map, e_global, layer.w2_weight.shape[2],
-            layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, self.gemv_slots,
+            *((layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv)
+              if self.gemv_slots else (None, None, None, None)), self.gemv_slots,
             self.cfg13 or None, self.cfg2 or None)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..packed_codes import plain
+
 from .digest import Flag, read_flags
 
 __all__ = ["Derived", "DerivedRegistry", "Flag", "differs", "read_flags"]
@@ -41,7 +43,7 @@ def differs(live: torch.Tensor, built: torch.Tensor) -> Flag:
     """Does ``live`` hold other bytes than ``built`` (the rebuild)?  ``True`` / ``False`` on the CPU or
     when the shapes decide it, else a 0-dim bool tensor on ``live``'s device (read it later: no
     sync here)."""
-    live = live.detach()
+    live = plain(live.detach())
     if tuple(built.shape) != tuple(live.shape):
         return True
     built = built.detach().to(device=live.device, dtype=live.dtype)

@@ -17,6 +17,8 @@ from typing import Union
 
 import torch
 
+from ..packed_codes import plain
+
 Flag = Union[bool, torch.Tensor]      # a decided answer, or a 0-dim bool tensor not yet read
 
 
@@ -46,7 +48,7 @@ def _mix(idx: torch.Tensor, seed: int) -> torch.Tensor:
 
 def fingerprint(t: torch.Tensor, seed: int = 0, chunk: int = 1 << 24) -> int:
     """64-bit fingerprint of ``t``'s bytes in logical (row-major) order; any dtype, any device."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = plain(t.detach()).contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
     if n % 8:
         flat = torch.cat([flat, flat.new_zeros(8 - n % 8)])

@@ -562,3 +562,66 @@ def test_moe_triton_glue_equals_the_torch_glue(t, ep):
     bound = ref.float().abs() * 2.0 ** -7 + ref.float().abs().amax(-1, keepdim=True) * 2.0 ** -16
     assert (d == 0).float().mean().item() >= 0.999 and bool((err <= bound).all()), \
         ((d == 0).float().mean().item(), (err / bound).max().item())
+
+
+# --- option moe_single_copy: the experts' codes held once, in Marlin's packed layout (common/packed_codes.py) ---
+
+def _routed(t, e, topk, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1), topk)
+    return x, (w / w.sum(-1, keepdim=True)).to(torch.float32), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_moe_single_copy_is_the_same_layer_with_one_copy_and_follows_writes_under_cuda_graph(t):
+    """The layer with its codes held once computes bit for bit what the two-copy layer computes, holds
+    ~1 byte per weight less, and a graph captured before loader-style writes (a gate shard, a whole w2
+    expert, an unaligned row block, their scales) replays the new weights -- equal to a two-copy layer
+    loaded with the same new bytes and to the per-expert reference."""
+    from mxfp8_learner_grid.common.ops import local_expert_ids, moe_reference
+    from mxfp8_learner_grid.common.packed_codes import PackedCodes, plain
+    from mxfp8_learner_grid.common.refresh import deferred_refresh, mark_written
+    e, h, i, topk = 16, 2048, 768, 8
+    two = moe_layer(e, h, i, seed=11)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    one = moe_layer(e, h, i, seed=11, moe_single_copy=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    codes = e * (2 * i * h + h * i)
+    assert isinstance(one.w13_weight, PackedCodes) and isinstance(one.w2_weight, PackedCodes)
+    assert held < 1.2 * codes, (held, codes)                     # one byte per weight (+ scales, workspace)
+    assert torch.equal(plain(one.w13_weight), two.w13_weight) and torch.equal(plain(one.w2_weight), two.w2_weight)
+    x, w, ids = _routed(t, e, topk, seed=t)
+    y1 = one.grid_kernel.apply(one, x, w, ids)
+    assert torch.equal(y1, two.grid_kernel.apply(two, x, w, ids))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = one.grid_kernel.apply(one, x, w, ids)
+    g = torch.Generator(device="cuda").manual_seed(99)
+    q13, s13 = quantize_rows(torch.randn(i, h, device="cuda", generator=g) * 0.05)
+    q2, s2 = quantize_rows(torch.randn(h, i, device="cuda", generator=g) * 0.05)
+    qr, sr = quantize_rows(torch.randn(10, h, device="cuda", generator=g) * 0.05)
+    with deferred_refresh():
+        for layer in (one, two):
+            layer.w13_weight.data[3].narrow(0, 0, i).copy_(q13)               # expert 3's gate_proj
+            layer.w13_weight_scale_inv.data[3].narrow(0, 0, i).copy_(s13)
+            layer.w2_weight.data[5].copy_(q2)                                 # expert 5's down_proj, whole
+            layer.w2_weight_scale_inv.data[5].copy_(s2)
+            layer.w13_weight.data[7].narrow(0, 100, 10).copy_(qr)             # rows off Marlin's 64-row groups
+            layer.w13_weight_scale_inv.data[7].narrow(0, 100, 10).copy_(sr)
+            for ex in (3, 5, 7):
+                mark_written(layer, ex)
+    graph.replay()
+    y2 = two.grid_kernel.apply(two, x, w, ids)
+    assert torch.equal(yg, y2) and not torch.equal(yg, y1)
+    assert torch.equal(plain(one.w13_weight), two.w13_weight) and torch.equal(plain(one.w2_weight), two.w2_weight)
+    assert torch.equal(one.grid_marlin_w13, two.grid_marlin_w13) and torch.equal(one.grid_marlin_w2, two.grid_marlin_w2)
+    ref = moe_reference(x, two.w13_weight, two.w13_weight_scale_inv, two.w2_weight, two.w2_weight_scale_inv, w,
+                        local_expert_ids(ids, None))
+    d = bf16_ulps(yg, ref)
+    assert (d <= 1).float().mean().item() >= 0.98
+    stale = [n for n, (live, build) in one.grid_kernel.derived(one).items() if not torch.equal(live, build())]
+    assert stale == [] and set(one.grid_kernel.derived(one)) == {"grid_marlin_w13_scale", "grid_marlin_w2_scale"}

@@ -1,0 +1,141 @@
+"""PackedCodes: a MoE layer's codes held once, in Marlin's layout, read and written through the checkpoint's.
+
+Every test holds a plain [E, N, K] reference beside the packed tensor and applies the same ops to both:
+after each write the packed bytes must equal Marlin's packing of the reference (``marlin_weights_batched``,
+itself held equal to vLLM's packing in ``test_marlin_repack.py``), and every read must equal the reference's.
+"""
+
+import pytest
+import torch
+
+from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_weights_batched
+from mxfp8_learner_grid.common.packed_codes import PackedCodes, hold_packed, plain
+from mxfp8_learner_grid.common.sync.recorder import WriteRecorder
+from mxfp8_learner_grid.common.sync.regions import slice_box, view_box
+
+E, N, K = 3, 192, 64
+
+
+def _codes(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    b[(b & 0x7F) == 0x7F] = 0x11                # no NaN codes
+    return b.view(torch.float8_e4m3fn)
+
+
+def _pair(seed=0):
+    ref = _codes(E, N, K, seed=seed)
+    return ref, PackedCodes(marlin_weights_batched(ref), N)
+
+
+def _same(p, ref):
+    assert torch.equal(p.packed, marlin_weights_batched(ref)), "packed bytes are not the reference's packing"
+    assert torch.equal(plain(p).view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_reads_unpack_only_the_box_and_equal_the_reference():
+    ref, p = _pair()
+    _same(p, ref)
+    for view, want in ((p[1], ref[1]), (p[0:2, 64:128], ref[0:2, 64:128]), (p[2, :, 16:48], ref[2, :, 16:48]),
+                       (p.data[1].narrow(0, 10, 7), ref[1].narrow(0, 10, 7)), (p[-1, -5:], ref[-1, -5:]),
+                       (p[1:1], ref[1:1])):
+        assert isinstance(view, PackedCodes) and view.shape == want.shape and view.stride() == want.stride()
+        assert view.storage_offset() == want.storage_offset()
+        assert torch.equal(view.clone().view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(view.to("cpu", copy=True).view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(p, ref) and not torch.equal(p[0], ref[1])
+    assert torch.equal(p.float(), ref.float())
+    assert view_box(p.data[2].narrow(0, 64, 64), p.shape, p.storage_offset()) == ((2, 1), (64, 64), (0, K))
+    assert p.data_ptr() == p.packed.data_ptr() == p[2].data_ptr()
+    assert p.untyped_storage().data_ptr() == p.packed.untyped_storage().data_ptr()
+
+
+def test_writes_repack_in_place_through_every_loader_pattern():
+    ref, p = _pair(1)
+    ptr = p.packed.data_ptr()
+    steps = [
+        (lambda t: t.data[1].narrow(0, 64, 64), (64, K)),            # 64-row group over all K: packed straight in
+        (lambda t: t.data[0].narrow(0, 0, N), (N, K)),               # a whole expert
+        (lambda t: t[0:2], (2, N, K)),                               # whole experts
+        (lambda t: t.data[2].narrow(0, 10, 20), (20, K)),            # unaligned rows: read-modify-write
+        (lambda t: t.data[2].narrow(1, 16, 16), (N, 16)),            # part of K
+        (lambda t: t[1, 128:192], (64, K)),                          # the last group
+        (lambda t: t, (E, N, K)),                                    # everything
+    ]
+    for i, (view, shape) in enumerate(steps):
+        x = _codes(*shape, seed=100 + i)
+        view(p).copy_(x)
+        view(ref).copy_(x)
+        _same(p, ref)
+    p[2, 5].copy_(_codes(K, seed=7)[None][0])                        # a single row
+    ref[2, 5].copy_(_codes(K, seed=7))
+    _same(p, ref)
+    p.data[0].narrow(0, 64, 64).copy_(_codes(K, seed=8))             # broadcast along the rows, as copy_ does
+    ref[0].narrow(0, 64, 64).copy_(_codes(K, seed=8))
+    _same(p, ref)
+    assert p.packed.data_ptr() == ptr
+
+
+def test_foreach_copy_and_packed_sources():
+    ref, p = _pair(2)
+    other_ref, other = _pair(3)
+    plain_dest = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    xs = [_codes(64, K, seed=20), _codes(N, K, seed=21)]
+    torch._foreach_copy_([p.data[0].narrow(0, 128, 64), p.data[1], plain_dest], [xs[0], xs[1], other[2]])
+    ref[0].narrow(0, 128, 64).copy_(xs[0])
+    ref[1].copy_(xs[1])
+    _same(p, ref)
+    assert torch.equal(plain_dest.view(torch.uint8), other_ref[2].view(torch.uint8))
+    p[2].copy_(other[0])                                             # PackedCodes into PackedCodes
+    ref[2].copy_(other_ref[0])
+    _same(p, ref)
+
+
+def test_what_would_miss_the_packed_bytes_raises():
+    _, p = _pair()
+    for op in (lambda: p.view(torch.uint8), lambda: p.reshape(-1), lambda: p[0].t(), lambda: p.expand(2, E, N, K),
+               lambda: p.zero_(), lambda: p[0].fill_(0), lambda: p[0].add_(1), lambda: p[::2]):
+        with pytest.raises(NotImplementedError):
+            op()
+    with pytest.raises(IndexError):
+        p[E]
+    with pytest.raises(ValueError, match="contiguous int32"):
+        PackedCodes(marlin_weights_batched(_codes(2, N, K)), N // 2)
+
+
+def test_a_parameter_held_packed_keeps_its_attributes():
+    layer = torch.nn.Module()
+    ref = _codes(E, N, K, seed=4)
+    layer.w13_weight = torch.nn.Parameter(ref.clone(), requires_grad=False)
+    layer.w13_weight.weight_loader = loader = object()
+    packed = marlin_weights_batched(ref)
+    new = hold_packed(layer, "w13_weight", packed)
+    assert layer.w13_weight is new and isinstance(new, torch.nn.Parameter) and isinstance(new, PackedCodes)
+    assert new.weight_loader is loader and new.packed is packed and not new.requires_grad
+    assert dict(layer.named_parameters())["w13_weight"] is new
+    _same(new, ref)
+    assert hold_packed(layer, "w13_weight", packed) is new               # held already: unchanged
+    with pytest.raises(ValueError, match="another packed buffer"):
+        hold_packed(layer, "w13_weight", packed.clone())
+
+
+@pytest.mark.parametrize("backup", ["host", "device"])
+def test_the_recorder_attributes_backs_up_and_rolls_back_packed_writes(backup):
+    """The update's recorder sees a loader's copy into a packed parameter as any other: attributed to its
+    source, with the parameter's box; its backup and rollback restore the packed bytes."""
+    ref, p = _pair(5)
+    param = torch.nn.Parameter(p, requires_grad=False)
+    before = param.packed.clone()
+    x = _codes(64, K, seed=9)
+    rec = WriteRecorder({"experts.w13_weight": param}, backup=backup)
+    rec.add_source(x, "experts.1.up_proj.weight", "data")
+    with rec:
+        param.data[1].narrow(0, 64, 64).copy_(x)
+    (w,) = rec.writes
+    assert (w.source, w.param, w.dest_box) == ("experts.1.up_proj.weight", "experts.w13_weight",
+                                               ((1, 1), (64, 64), (0, K)))
+    ref[1, 64:128].copy_(x)
+    _same(param, ref)
+    assert torch.equal(plain(slice_box(param, w.dest_box)).view(torch.uint8), x.view(torch.uint8)[None])
+    assert rec.rollback() == ["experts.w13_weight"]
+    assert torch.equal(param.packed, before)
