@@ -15,7 +15,7 @@ copy, the one the kernel reads.  The packing is a byte permutation
   is made of, the engines' expert loaders) -- are PackedCodes again, with the strides and storage
   offset a contiguous [E, N, K] tensor's view would have, so the sync's boxes
   (``sync.regions.view_box``) read them as they read any parameter's;
-* **a write** (``copy_``, ``_foreach_copy_``) into a view repacks the box in place: rows that are
+* **a write** (``copy_``, ``_foreach_copy_``, ``zero_``, ``fill_``) into a view repacks the box in place: rows that are
   whole 64-row groups over all of K (every gate / up / down write of a layer Marlin MoE takes) are
   packed straight into their byte groups; any other box is a read-modify-write of its experts;
 * **a read** (any other op that neither writes a PackedCodes nor returns a view of one: ``clone``,
@@ -165,6 +165,11 @@ class PackedCodes(torch.Tensor):
         if func is aten.copy_.default and isinstance(args[0], PackedCodes):
             args[0].write(args[1])
             return args[0]
+        if func in (aten.zero_.default, aten.fill_.Scalar) and isinstance(args[0], PackedCodes):
+            s = args[0]                      # a loader zeroing padding, say: a write of that value
+            value = 0 if func is aten.zero_.default else args[1]
+            s.write(torch.full(s.shape, value, dtype=torch.float32, device=s.device).to(s.dtype))
+            return s
         if func is aten._foreach_copy_.default:
             for dest, src in zip(args[0], args[1]):
                 if isinstance(dest, PackedCodes):

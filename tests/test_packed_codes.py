@@ -70,6 +70,11 @@ def test_writes_repack_in_place_through_every_loader_pattern():
     p[2, 5].copy_(_codes(K, seed=7)[None][0])                        # a single row
     ref[2, 5].copy_(_codes(K, seed=7))
     _same(p, ref)
+    p.data[1].narrow(0, 0, 64).zero_()                               # a loader zeroing padding
+    ref[1].narrow(0, 0, 64).zero_()
+    p.data[2].narrow(0, 3, 2).fill_(1.5)
+    ref[2].narrow(0, 3, 2).copy_(torch.full((2, K), 1.5).to(ref.dtype))
+    _same(p, ref)
     p.data[0].narrow(0, 64, 64).copy_(_codes(K, seed=8))             # broadcast along the rows, as copy_ does
     ref[0].narrow(0, 64, 64).copy_(_codes(K, seed=8))
     _same(p, ref)
@@ -94,7 +99,8 @@ def test_foreach_copy_and_packed_sources():
 def test_what_would_miss_the_packed_bytes_raises():
     _, p = _pair()
     for op in (lambda: p.view(torch.uint8), lambda: p.reshape(-1), lambda: p[0].t(), lambda: p.expand(2, E, N, K),
-               lambda: p.zero_(), lambda: p[0].fill_(0), lambda: p[0].add_(1), lambda: p[::2]):
+               lambda: p[0].add_(1), lambda: p[::2], lambda: p[0].index_put_((torch.tensor([1]),), _codes(K)),
+               lambda: p.view(E * N, K)):
         with pytest.raises(NotImplementedError):
             op()
     with pytest.raises(IndexError):
@@ -139,3 +145,97 @@ def test_the_recorder_attributes_backs_up_and_rolls_back_packed_writes(backup):
     assert torch.equal(plain(slice_box(param, w.dest_box)).view(torch.uint8), x.view(torch.uint8)[None])
     assert rec.rollback() == ["experts.w13_weight"]
     assert torch.equal(param.packed, before)
+
+
+# --- a whole update session over a packed-held parameter: loader, replay, checks, refusal, rollback ---
+
+from mxfp8_learner_grid.common.sync.manifest import Manifest  # noqa: E402
+from mxfp8_learner_grid.common.sync.plan import WritePlan  # noqa: E402
+from mxfp8_learner_grid.common.sync.recorder import UpdateRejected  # noqa: E402
+from mxfp8_learner_grid.common.sync.session import EngineAdapter, UpdateSession  # noqa: E402
+
+I = 64                           # "intermediate": gate rows 0..63, up rows 64..127 of each expert's w13
+
+
+class ExpertsAdapter(EngineAdapter):
+    """Two experts' fp8 gate / up [64, 64] land in one packed-held w13 [2, 128, 64], as an engine's expert loader
+    writes them (``param.data[e].narrow(0, offset, 64).copy_``); 'norm' is a plain parameter beside it."""
+
+    def __init__(self):
+        self.m = torch.nn.Module()
+        self.m.w13 = torch.nn.Parameter(torch.zeros(2, 2 * I, 64, dtype=torch.float8_e4m3fn), requires_grad=False)
+        hold_packed(self.m, "w13", marlin_weights_batched(self.m.w13.data))
+        self.m.norm = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+        self.plan = WritePlan()
+        self.loader_calls = 0
+
+    def model(self):
+        return self.m
+
+    def load(self, named):
+        self.load_planned(named, self._engine_load)
+
+    def _engine_load(self, named):
+        for n, t in named:
+            self.loader_calls += 1
+            if n == "norm":
+                self.m.norm.data.copy_(t)
+                continue
+            e, proj = n.split(".")
+            self.m.w13.data[int(e)].narrow(0, 0 if proj == "gate" else I, I).copy_(t)
+
+    def signature(self):
+        shapes = {f"{e}.{p}": ((I, 64), False) for e in (0, 1) for p in ("gate", "up")}
+        dtypes = {n: torch.float8_e4m3fn for n in shapes}
+        return {**shapes, "norm": ((64,), False)}, {**dtypes, "norm": torch.float32}, set()
+
+    def scope(self, touched):
+        return dict(self.m.named_parameters())
+
+
+def _expert_tensors(seed):
+    out = {f"{e}.{p}": _codes(I, 64, seed=seed * 10 + 2 * e + (p == "up")) for e in (0, 1) for p in ("gate", "up")}
+    out["norm"] = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    return out
+
+
+def _assembled(t):
+    return torch.stack([torch.cat([t[f"{e}.gate"], t[f"{e}.up"]]) for e in (0, 1)])
+
+
+def _committed(ad, version, tensors):
+    s = UpdateSession(ad, Manifest.of(tensors, version, "bf16"), digest="full")
+    s.load(list(tensors.items()))
+    rep = s.finish()
+    assert not rep.failed(), rep.summary()
+    assert s.commit(True)
+    return s
+
+
+def test_an_update_session_writes_checks_replays_and_rolls_back_packed_codes():
+    ad = ExpertsAdapter()
+    ptr = ad.m.w13.data_ptr()
+    first = _committed(ad, 1, _expert_tensors(1))
+    _same(ad.m.w13, _assembled(_expert_tensors(1)))
+    assert ad.loader_calls == 5 and {w.dest_box for w in first.recorder.writes if w.param == "w13"} == {
+        ((e, 1), (r, I), (0, 64)) for e in (0, 1) for r in (0, I)}
+    second = _committed(ad, 2, _expert_tensors(2))                      # the plan's replay, through _foreach_copy_
+    assert second.timings["replayed"] == 5 and ad.loader_calls == 5
+    _same(ad.m.w13, _assembled(_expert_tensors(2)))
+    assert ad.m.w13.data_ptr() == ptr
+    bad = _expert_tensors(3)
+    bad["1.up"] = bad["1.up"].view(torch.uint8).clone()
+    bad["1.up"][3, 3] = 0x7F                                              # a NaN code: refused, nothing kept
+    bad["1.up"] = bad["1.up"].view(torch.float8_e4m3fn)
+    s = UpdateSession(ad, Manifest.of(bad, 3, "bf16"), digest="full")
+    with pytest.raises(UpdateRejected, match="1.up: fp8 weight holds NaN codes"):
+        s.load(list(bad.items()))
+    _same(ad.m.w13, _assembled(_expert_tensors(2)))
+    # a committed-then-refused update (the trainer's accept=False): rolled back to version 2's bytes
+    s = UpdateSession(ad, Manifest.of(_expert_tensors(4), 4, "bf16"), digest="full")
+    s.load(list(_expert_tensors(4).items()))
+    assert not s.finish().failed()
+    _same(ad.m.w13, _assembled(_expert_tensors(4)))
+    s.commit(False)
+    _same(ad.m.w13, _assembled(_expert_tensors(2)))
+    assert ad.m.w13.data_ptr() == ptr
