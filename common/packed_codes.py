@@ -171,11 +171,7 @@ class PackedCodes(torch.Tensor):
             s.write(torch.full(s.shape, value, dtype=torch.float32, device=s.device).to(s.dtype))
             return s
         if func is aten._foreach_copy_.default:
-            for dest, src in zip(args[0], args[1]):
-                if isinstance(dest, PackedCodes):
-                    dest.write(src)
-                else:
-                    dest.copy_(src.materialize() if isinstance(src, PackedCodes) else src)
+            write_all(args[0], args[1])
             return None
         out = func.decompose(*args, **kwargs)        # a composite op (to, narrow, reshape ...) as its parts, which
         if out is not NotImplemented:                # come back here (an engine's mode may hand them over whole)
@@ -197,6 +193,64 @@ class PackedCodes(torch.Tensor):
         def unwrap(x):
             return x.materialize() if isinstance(x, PackedCodes) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _aligned_rows(dest: PackedCodes, src, box) -> bool:
+    """Is ``dest <- src`` one expert's whole 64-row groups over all of K, from same-shaped fp8 codes?"""
+    (_, ne), (n0, nn), (k0, nk) = box
+    return (ne == 1 and (k0, nk) == (0, dest._full[2]) and n0 % _GROUP_ROWS == 0 and nn % _GROUP_ROWS == 0
+            and isinstance(src, torch.Tensor) and src.dtype == dest.dtype and tuple(src.shape) == tuple(dest.shape))
+
+
+def write_all(dests, srcs) -> None:
+    """``torch._foreach_copy_(dests, srcs)`` where some destinations are PackedCodes (a write plan's replay of a
+    bucket: a MoE layer's gate / up / down shards, expert by expert).  Plain pairs are copied in one
+    ``_foreach_copy_``; packed writes of the same rows of one buffer's experts (e.g. every expert's up_proj)
+    are packed together and scattered in one ``index_copy_`` per group of at most ``REPACK_CHUNK_BYTES``,
+    instead of a pack and a copy per expert; any other packed write on its own.  Writes whose boxes overlap
+    keep their order: then every write runs on its own, in order."""
+    from .grid_kernels.marlin import REPACK_CHUNK_BYTES, marlin_weights_batched
+    from .sync.regions import boxes_overlap
+    plain_pairs, packed = [], []
+    for dest, src in zip(dests, srcs):
+        src = src.materialize() if isinstance(src, PackedCodes) else src
+        if isinstance(dest, PackedCodes):
+            if dest.numel():
+                packed.append((dest, src, dest.box()))
+        else:
+            plain_pairs.append((dest, src))
+    if plain_pairs:
+        torch._foreach_copy_([d for d, _ in plain_pairs], [s for _, s in plain_pairs])
+    by_expert: dict = {}
+    for dest, _, box in packed:
+        by_expert.setdefault((id(dest._packed), box[0][0]), []).append(box)
+    if any(boxes_overlap(a, b) for boxes in by_expert.values() for i, a in enumerate(boxes) for b in boxes[i + 1:]) \
+            or any(box[0][1] != 1 for _, _, box in packed):
+        for dest, src, _ in packed:                   # overlapping (or multi-expert) boxes: in order, one by one
+            dest.write(src)
+        return
+    groups: dict = {}
+    for dest, src, box in packed:
+        if _aligned_rows(dest, src, box):
+            groups.setdefault((id(dest._packed), box[1]), []).append((dest, src, box[0][0]))
+        else:
+            dest.write(src)
+    for (_, (n0, nn)), items in groups.items():
+        if len(items) == 1:
+            items[0][0].write(items[0][1])
+            continue
+        dest0 = items[0][0]
+        e, n, k = dest0._full
+        bytes_view = dest0._packed.view(torch.uint8).view(e, k // _TILE, n // _GROUP_ROWS, _GROUP_BYTES)
+        rows_view = bytes_view[:, :, n0 // _GROUP_ROWS:(n0 + nn) // _GROUP_ROWS]
+        step = max(1, REPACK_CHUNK_BYTES // (nn * k))
+        for lo in range(0, len(items), step):
+            chunk = items[lo:lo + step]
+            rows = torch.stack([src.to(dest0.device).reshape(nn, k) for _, src, _ in chunk])
+            part = marlin_weights_batched(rows).view(torch.uint8).view(len(chunk), k // _TILE, nn // _GROUP_ROWS,
+                                                                          _GROUP_BYTES)
+            experts = torch.tensor([ex for _, _, ex in chunk], dtype=torch.int64, device=dest0.device)
+            rows_view.index_copy_(0, experts, part)
 
 
 def plain(t):

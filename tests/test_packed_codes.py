@@ -239,3 +239,53 @@ def test_an_update_session_writes_checks_replays_and_rolls_back_packed_codes():
     s.commit(False)
     _same(ad.m.w13, _assembled(_expert_tensors(2)))
     assert ad.m.w13.data_ptr() == ptr
+
+
+def test_a_replayed_bucket_packs_each_row_group_of_many_experts_at_once(monkeypatch):
+    """_foreach_copy_ with many packed writes (a MoE layer's gate / up shards, expert by expert, and plain
+    parameters beside them): grouped by rows, packed together (in chunks), bytes equal to one write at a time;
+    overlapping boxes keep their order."""
+    from mxfp8_learner_grid.common.grid_kernels import marlin as M
+    calls = []
+    real = M.marlin_weights_batched
+
+    def counted(w, out=None):
+        calls.append(tuple(w.shape))
+        return real(w, out=out)
+    monkeypatch.setattr(M, "marlin_weights_batched", counted)
+    e, n, k = 6, 128, 64
+    ref = _codes(e, n, k, seed=30)
+    p = PackedCodes(real(ref), n)
+    other = torch.zeros(4, 8)
+    dests, srcs = [], []
+    for ex in range(e):
+        for r0 in (0, 64):
+            x = _codes(64, k, seed=40 + 2 * ex + r0)
+            dests.append(p.data[ex].narrow(0, r0, 64))
+            srcs.append(x)
+            ref[ex, r0:r0 + 64].copy_(x)
+    x = _codes(10, k, seed=99)                                        # unaligned: on its own
+    dests.append(p.data[2].narrow(0, 64 + 3, 10))
+    srcs.append(x)
+    dests.append(other)
+    srcs.append(torch.ones(4, 8))
+    torch._foreach_copy_(dests, srcs)
+    ref[2, 67:77].copy_(x)
+    # the aligned rows in one stacked pack per row group; but the unaligned box overlaps expert 2's up rows:
+    # then every write runs on its own, in order -- the same bytes as the reference in both cases
+    _same(p, ref)
+    assert torch.equal(other, torch.ones(4, 8))
+    calls.clear()
+    torch._foreach_copy_(dests[:-2], srcs[:-2])                        # no overlap: two grouped packs
+    for ex in range(e):
+        ref[ex].copy_(torch.cat([srcs[2 * ex], srcs[2 * ex + 1]]))
+    _same(p, ref)
+    assert calls[:2] == [(e, 64, k), (e, 64, k)]
+    monkeypatch.setattr(M, "REPACK_CHUNK_BYTES", 2 * 64 * k)           # chunks of two experts
+    calls.clear()
+    new = [_codes(64, k, seed=200 + i) for i in range(2 * e)]
+    torch._foreach_copy_(dests[:-2], new)
+    for ex in range(e):
+        ref[ex].copy_(torch.cat([new[2 * ex], new[2 * ex + 1]]))
+    _same(p, ref)
+    assert calls[:6] == [(2, 64, k)] * 6
