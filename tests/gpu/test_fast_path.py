@@ -566,10 +566,14 @@ def test_moe_triton_glue_equals_the_torch_glue(t, ep):
 
 # --- option moe_single_copy: the experts' codes held once, in Marlin's packed layout (common/packed_codes.py) ---
 
-def _routed(t, e, topk, seed):
+def _routed(t, e, topk, seed, first=(3, 5, 7)):
+    """Tokens routed to ``first`` (the experts the test writes) and topk - 3 others."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
-    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1), topk)
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    logits[:, list(first)] += 100.0
+    w, ids = torch.topk(torch.softmax(logits, -1), topk)
+    w = torch.rand(t, topk, device="cuda", generator=g) + 0.1            # routed to them, weighted at random
     return x, (w / w.sum(-1, keepdim=True)).to(torch.float32), ids.to(torch.int32)
 
 
