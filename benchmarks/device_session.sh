@@ -10,7 +10,8 @@
 #   bash benchmarks/device_session.sh kernels        # GPU tests + quantize/GEMM benchmarks
 #   bash benchmarks/device_session.sh engine SHAPE LAYERS ARMS [DTYPE]   # vLLM end-to-end check (needs vLLM staged)
 #   bash benchmarks/device_session.sh update [LAYERS]  # in-place update timings (cuda_ipc; nccl with 2 GPUs;
-#        UPDATE_SHAPE=qwen3-30b-a3b for the MoE shape: 24 layers fit beside the trainer's bf16 and fp8 copies)
+#        UPDATE_SHAPE=qwen3-30b-a3b for the MoE shape: 24 layers fit beside the trainer's bf16 and fp8 copies;
+#        UPDATE_GRID_OPTIONS='{"moe_single_copy": true}': plugin options, as one argument)
 #   bash benchmarks/device_session.sh refresh         # a Marlin layer's refresh: the engine's repack vs the batched one
 #   bash benchmarks/device_session.sh replay [LAYERS]  # the write plan's replay alone: host time per write, both paths
 #   bash benchmarks/device_session.sh study           # consistency study, dense on GPU 0 and MoE on GPU 1
@@ -108,7 +109,9 @@ case "${1:-kernels}" in
       2>&1 | tail -3
     ;;
   update)
+    # UPDATE_ARGS is split by the shell (no JSON there); plugin options go in UPDATE_GRID_OPTIONS, passed whole
     python3 benchmarks/bench_update.py --shape "${UPDATE_SHAPE:-qwen3-8b}" --layers "${2:-36}" --out "$OUT/update.json" ${UPDATE_ARGS:-} \
+      ${UPDATE_GRID_OPTIONS:+--grid-options "$UPDATE_GRID_OPTIONS"} \
       2>&1 | grep -v " INFO \| WARNING " | tee "$OUT/update.log" | tail -30
     ;;
   study)

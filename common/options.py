@@ -49,11 +49,15 @@ from . import format as F
 from .selection import ModuleSelection
 from .wire import QUANT_METHOD
 
-KNOWN_KEYS = frozenset({"quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size",
-                        "scale_format", "activation_scheme", "checkpoint_format", "producer", "emulate",
-                        "kernel", "prefill_crossover", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
-                        "router_dtype", "moe_router_weights", "gemv_rows", "moe_gemv_slots", "humming_rows",
-                        "humming_tile", "marlin_configs", "producer_qdq", "moe_single_copy"})
+#: the keys each layer's kernel sees (``LayerSpec.options``, through ``grid_kernels.layers.kernel_options``): a
+#: kernel option must be named here, or it never reaches the kernels (as marlin_configs once did not)
+KERNEL_KEYS = ("kernel", "prefill_crossover", "gemv_rows", "w8a16_rows", "bf16_weight_rows", "cpu_weight_cache",
+               "moe_router_weights", "moe_gemv_slots", "humming_rows", "humming_tile", "marlin_configs",
+               "producer_qdq", "moe_single_copy")
+#: the keys the plugins read themselves
+CONFIG_KEYS = ("quant_method", "modules", "kv_cache_scales", "wire_version", "fmt", "block_size", "scale_format",
+               "activation_scheme", "checkpoint_format", "producer", "emulate", "router_dtype")
+KNOWN_KEYS = frozenset(KERNEL_KEYS + CONFIG_KEYS)
 MOE_ROUTER_WEIGHTS = ("combine", "activation")
 KV_CACHE_SCALES = ("optional", "required")
 

@@ -526,6 +526,9 @@ def test_marlin_configs_reach_a_layers_spec():
     from mxfp8_learner_grid.common.options import GridOptions
     rows = [[1536, 2048, 1, 2, 8, 128, 64, 2]]
     assert kernel_options(GridOptions.from_dict({"marlin_configs": rows}))["marlin_configs"] == rows
+    # the same for moe_single_copy (dropped by that filter in its first GPU run): every kernel option passes
+    assert kernel_options(GridOptions.from_dict({"moe_single_copy": True, "gemv_rows": 8})) == {
+        "moe_single_copy": True, "gemv_rows": 8}
 
 
 def test_the_probe_refuses_broken_launches_and_accepts_reordered_sums():

@@ -8,12 +8,9 @@ from typing import Any
 
 import torch
 
+from ..options import KERNEL_KEYS as KERNEL_OPTION_KEYS   # options a layer's kernel reads (the one list)
 from .base import GridKernel, LayerSpec
 
-#: options a layer's kernel reads from quantization_config (see common/options.py)
-KERNEL_OPTION_KEYS = ("kernel", "prefill_crossover", "gemv_rows", "w8a16_rows", "bf16_weight_rows",
-                      "cpu_weight_cache", "moe_router_weights", "moe_gemv_slots", "humming_rows", "humming_tile",
-                      "marlin_configs", "producer_qdq", "moe_single_copy")
 #: load-time override of ``cpu_weight_cache`` (0: no fp32 copy of W on CPU; saves memory)
 CPU_CACHE_ENV = "MXFP8_GRID_CPU_CACHE"
 
