@@ -77,6 +77,10 @@ class PackedCodes(torch.Tensor):
     def untyped_storage(self):                     # noqa: D102 -- the packed buffer's (write attribution)
         return self._packed.untyped_storage()
 
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save of a state_dict, an RPC returning it): the checkpoint-layout codes, a plain tensor
+        return self.materialize().__reduce_ex__(protocol)
+
     @property
     def packed(self) -> torch.Tensor:
         return self._packed

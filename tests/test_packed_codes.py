@@ -289,3 +289,19 @@ def test_a_replayed_bucket_packs_each_row_group_of_many_experts_at_once(monkeypa
         ref[ex].copy_(torch.cat([new[2 * ex], new[2 * ex + 1]]))
     _same(p, ref)
     assert calls[:6] == [(2, 64, k)] * 6
+
+
+def test_a_packed_parameter_saves_and_pickles_as_its_checkpoint_layout_codes(tmp_path):
+    import io
+    ref, p = _pair(6)
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(ref.clone(), requires_grad=False)
+    hold_packed(layer, "w13_weight", p.packed)
+    torch.save(layer.state_dict(), tmp_path / "sd.pt")
+    back = torch.load(tmp_path / "sd.pt")["w13_weight"]
+    assert type(back) in (torch.Tensor, torch.nn.Parameter) and torch.equal(back.view(torch.uint8), ref.view(torch.uint8))
+    buf = io.BytesIO()
+    torch.save(p[1], buf)                   # a view: its box (plain pickle of fp8 tensors fails in torch itself)
+    buf.seek(0)
+    again = torch.load(buf)
+    assert type(again) is torch.Tensor and torch.equal(again.view(torch.uint8), ref[1].view(torch.uint8))
