@@ -11,7 +11,7 @@ shape [E, N, K] and dtype float8_e4m3fn over the packed int32 buffer [E, K/16, 4
 copy, the one the kernel reads.  The packing is a byte permutation
 (``grid_kernels.marlin.marlin_weights_batched``, its inverse ``marlin_unpack_batched``), so:
 
-* **views** -- ``detach``, ``alias``, ``select`` and ``slice`` (what ``param.data[e].narrow(d, a, n)``
+* **views** -- ``detach``, ``alias``, ``select``, ``unbind`` and ``slice`` (what ``param.data[e].narrow(d, a, n)``
   is made of, the engines' expert loaders) -- are PackedCodes again, with the strides and storage
   offset a contiguous [E, N, K] tensor's view would have, so the sync's boxes
   (``sync.regions.view_box``) read them as they read any parameter's;
@@ -127,7 +127,7 @@ class PackedCodes(torch.Tensor):
             groups[:, :, n0 // _GROUP_ROWS:(n0 + nn) // _GROUP_ROWS].copy_(part)
             return
         codes = marlin_unpack_batched(dest, n)       # any other box: read, modify, write back its experts
-        codes[:, n0:n0 + nn, k0:k0 + nk].reshape(self.shape).copy_(src)
+        codes[:, n0:n0 + nn, k0:k0 + nk].view(self.shape).copy_(src)    # a view: only size-1 dims dropped
         marlin_weights_batched(codes, out=dest)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -150,6 +150,9 @@ class PackedCodes(torch.Tensor):
             offset = s.storage_offset() + index * stride[dim]
             del shape[dim], stride[dim]
             return s._view(shape, stride, offset)
+        if func is aten.unbind.int:                   # iterating over experts: one select each
+            s, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            return tuple(aten.select.int(s, dim, i) for i in range(s.shape[dim]))
         if func is aten.slice.Tensor:
             s, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
             start = args[2] if len(args) > 2 else kwargs.get("start")
@@ -181,18 +184,24 @@ class PackedCodes(torch.Tensor):
         if out is not NotImplemented:                # come back here (an engine's mode may hand them over whole)
             return out
         schema = func._schema
+        returned = set()                             # alias sets the op's outputs share with its inputs
+        for r in schema.returns:
+            if r.alias_info is not None:
+                returned |= set(r.alias_info.before_set)
         for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                vs = v if isinstance(v, (list, tuple)) else [v]
-                if any(isinstance(x, PackedCodes) for x in vs):
-                    raise NotImplementedError(
-                        f"{func}: writes into packed MoE codes only through copy_ into a box (a loader's "
-                        f"narrow(...).copy_); this op would miss the packed bytes")
-        if any(r.alias_info is not None for r in schema.returns):
-            raise NotImplementedError(
-                f"{func}: a view of packed MoE codes other than select / slice would not see the packed bytes; "
-                f"read them with mxfp8_learner_grid.common.packed_codes.plain(t) first")
+            if a.alias_info is None:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if not any(isinstance(x, PackedCodes) for x in (v if isinstance(v, (list, tuple)) else [v])):
+                continue
+            if a.alias_info.is_write:
+                raise NotImplementedError(
+                    f"{func}: writes into packed MoE codes only through copy_ into a box (a loader's "
+                    f"narrow(...).copy_); this op would miss the packed bytes")
+            if returned & set(a.alias_info.before_set):
+                raise NotImplementedError(
+                    f"{func}: a view of packed MoE codes other than select / slice would not see the packed "
+                    f"bytes; read them with mxfp8_learner_grid.common.packed_codes.plain(t) first")
 
         def unwrap(x):
             return x.materialize() if isinstance(x, PackedCodes) else x

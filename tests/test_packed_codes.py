@@ -44,6 +44,9 @@ def test_reads_unpack_only_the_box_and_equal_the_reference():
         assert torch.equal(view.clone().view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(view.to("cpu", copy=True).view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(p, ref) and not torch.equal(p[0], ref[1])
+    assert all(isinstance(x, PackedCodes) and torch.equal(x, ref[i]) for i, x in enumerate(p))     # unbind
+    out = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    assert out.copy_(p[2]) is out and torch.equal(out.view(torch.uint8), ref[2].view(torch.uint8))   # into plain
     assert torch.equal(p.float(), ref.float())
     assert view_box(p.data[2].narrow(0, 64, 64), p.shape, p.storage_offset()) == ((2, 1), (64, 64), (0, K))
     assert p.data_ptr() == p.packed.data_ptr() == p[2].data_ptr()
