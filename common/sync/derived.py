@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 
 from ..packed_codes import plain
-
 from .digest import Flag, read_flags
 
 __all__ = ["Derived", "DerivedRegistry", "Flag", "differs", "read_flags"]
