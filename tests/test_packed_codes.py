@@ -152,31 +152,26 @@ def test_the_recorder_attributes_backs_up_and_rolls_back_packed_writes(backup):
 
 # --- a whole update session over a packed-held parameter: loader, replay, checks, refusal, rollback ---
 
+from test_write_plan import FusedAdapter  # noqa: E402
+
 from mxfp8_learner_grid.common.sync.manifest import Manifest  # noqa: E402
-from mxfp8_learner_grid.common.sync.plan import WritePlan  # noqa: E402
 from mxfp8_learner_grid.common.sync.recorder import UpdateRejected  # noqa: E402
-from mxfp8_learner_grid.common.sync.session import EngineAdapter, UpdateSession  # noqa: E402
+from mxfp8_learner_grid.common.sync.session import UpdateSession  # noqa: E402
 
 I = 64                           # "intermediate": gate rows 0..63, up rows 64..127 of each expert's w13
 
 
-class ExpertsAdapter(EngineAdapter):
+class ExpertsAdapter(FusedAdapter):
     """Two experts' fp8 gate / up [64, 64] land in one packed-held w13 [2, 128, 64], as an engine's expert loader
-    writes them (``param.data[e].narrow(0, offset, 64).copy_``); 'norm' is a plain parameter beside it."""
+    writes them (``param.data[e].narrow(0, offset, 64).copy_``); 'norm' is a plain parameter beside it
+    (test_write_plan's adapter otherwise)."""
 
     def __init__(self):
+        super().__init__()
         self.m = torch.nn.Module()
         self.m.w13 = torch.nn.Parameter(torch.zeros(2, 2 * I, 64, dtype=torch.float8_e4m3fn), requires_grad=False)
         hold_packed(self.m, "w13", marlin_weights_batched(self.m.w13.data))
         self.m.norm = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
-        self.plan = WritePlan()
-        self.loader_calls = 0
-
-    def model(self):
-        return self.m
-
-    def load(self, named):
-        self.load_planned(named, self._engine_load)
 
     def _engine_load(self, named):
         for n, t in named:
@@ -191,9 +186,6 @@ class ExpertsAdapter(EngineAdapter):
         shapes = {f"{e}.{p}": ((I, 64), False) for e in (0, 1) for p in ("gate", "up")}
         dtypes = {n: torch.float8_e4m3fn for n in shapes}
         return {**shapes, "norm": ((64,), False)}, {**dtypes, "norm": torch.float32}, set()
-
-    def scope(self, touched):
-        return dict(self.m.named_parameters())
 
 
 def _expert_tensors(seed):
