@@ -118,11 +118,9 @@ class GridOptions:
                              f"got {slots!r}")
         from .grid_kernels.marlin_launch import parse_rows
         parse_rows(self.raw.get("marlin_configs"))
-        for key in ("producer_qdq", "moe_single_copy"):
+        for key in ("producer_qdq", "moe_single_copy", "cpu_weight_cache"):
             if not isinstance(self.raw.get(key, False), bool):
                 raise ValueError(f"{key} must be true or false; got {self.raw.get(key)!r}")
-        if not isinstance(self.raw.get("cpu_weight_cache", True), bool):
-            raise ValueError(f"cpu_weight_cache must be true or false; got {self.raw.get('cpu_weight_cache')!r}")
         if self.raw.get("moe_router_weights", "combine") not in MOE_ROUTER_WEIGHTS:
             raise ValueError(f"moe_router_weights must be one of {MOE_ROUTER_WEIGHTS}; "
                              f"got {self.raw.get('moe_router_weights')!r}")

@@ -30,8 +30,6 @@ storage and watches a parameter's storage for reallocation, and both then see th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.utils._pytree import tree_map
 
@@ -116,15 +114,12 @@ class PackedCodes(torch.Tensor):
         (e0, ne), (n0, nn), (k0, nk) = self.box()
         _, n, k = self._full
         dest = self._packed[e0:e0 + ne]
-        if (isinstance(src, torch.Tensor) and src.dtype == self.dtype and tuple(src.shape) == tuple(self.shape)
-                and (k0, nk) == (0, k) and n0 % _GROUP_ROWS == 0 and nn % _GROUP_ROWS == 0):
+        if _packs_straight(self, src, ((e0, ne), (n0, nn), (k0, nk))):
             rows = src.to(self.device).reshape(ne, nn, k).contiguous()
             if (n0, nn) == (0, n):                   # whole experts: packed straight into the buffer
                 marlin_weights_batched(rows, out=dest)
                 return
-            part = marlin_weights_batched(rows).view(torch.uint8).view(ne, k // _TILE, nn // _GROUP_ROWS, _GROUP_BYTES)
-            groups = dest.view(torch.uint8).view(ne, k // _TILE, n // _GROUP_ROWS, _GROUP_BYTES)
-            groups[:, :, n0 // _GROUP_ROWS:(n0 + nn) // _GROUP_ROWS].copy_(part)
+            _row_groups(dest, n0, nn).copy_(_row_groups(marlin_weights_batched(rows), 0, nn))
             return
         codes = marlin_unpack_batched(dest, n)       # any other box: read, modify, write back its experts
         codes[:, n0:n0 + nn, k0:k0 + nk].view(self.shape).copy_(src)    # a view: only size-1 dims dropped
@@ -208,11 +203,20 @@ class PackedCodes(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def _aligned_rows(dest: PackedCodes, src, box) -> bool:
-    """Is ``dest <- src`` one expert's whole 64-row groups over all of K, from same-shaped fp8 codes?"""
-    (_, ne), (n0, nn), (k0, nk) = box
-    return (ne == 1 and (k0, nk) == (0, dest._full[2]) and n0 % _GROUP_ROWS == 0 and nn % _GROUP_ROWS == 0
+def _packs_straight(dest: PackedCodes, src, box) -> bool:
+    """Can ``dest <- src`` (``box``: dest's) be packed straight into its bytes -- whole 64-row groups over all of
+    K, from fp8 codes of dest's shape -- rather than by a read-modify-write of its experts?"""
+    _, (n0, nn), (k0, nk) = box
+    return ((k0, nk) == (0, dest._full[2]) and n0 % _GROUP_ROWS == 0 and nn % _GROUP_ROWS == 0
             and isinstance(src, torch.Tensor) and src.dtype == dest.dtype and tuple(src.shape) == tuple(dest.shape))
+
+
+def _row_groups(packed: torch.Tensor, n0: int, nn: int) -> torch.Tensor:
+    """The bytes of rows [n0, n0 + nn) (multiples of 64) of Marlin's int32 [E, K/16, 4 N] layout, as a uint8 view
+    [E, K/16, nn / 64, 1024]: the packing of 64 rows is one 1024-byte group in each 16-wide K tile."""
+    e, kt, n4 = packed.shape
+    groups = packed.view(torch.uint8).view(e, kt, n4 // 4 // _GROUP_ROWS, _GROUP_BYTES)
+    return groups[:, :, n0 // _GROUP_ROWS:(n0 + nn) // _GROUP_ROWS]
 
 
 def write_all(dests, srcs) -> None:
@@ -243,8 +247,8 @@ def write_all(dests, srcs) -> None:
             dest.write(src)
         return
     groups: dict = {}
-    for dest, src, box in packed:
-        if _aligned_rows(dest, src, box):
+    for dest, src, box in packed:                     # one expert each (multi-expert boxes went one by one above)
+        if _packs_straight(dest, src, box):
             groups.setdefault((id(dest._packed), box[1]), []).append((dest, src, box[0][0]))
         else:
             dest.write(src)
@@ -253,17 +257,14 @@ def write_all(dests, srcs) -> None:
             items[0][0].write(items[0][1])
             continue
         dest0 = items[0][0]
-        e, n, k = dest0._full
-        bytes_view = dest0._packed.view(torch.uint8).view(e, k // _TILE, n // _GROUP_ROWS, _GROUP_BYTES)
-        rows_view = bytes_view[:, :, n0 // _GROUP_ROWS:(n0 + nn) // _GROUP_ROWS]
+        k = dest0._full[2]
+        rows_view = _row_groups(dest0._packed, n0, nn)
         step = max(1, REPACK_CHUNK_BYTES // (nn * k))
         for lo in range(0, len(items), step):
             chunk = items[lo:lo + step]
             rows = torch.stack([src.to(dest0.device).reshape(nn, k) for _, src, _ in chunk])
-            part = marlin_weights_batched(rows).view(torch.uint8).view(len(chunk), k // _TILE, nn // _GROUP_ROWS,
-                                                                          _GROUP_BYTES)
             experts = torch.tensor([ex for _, _, ex in chunk], dtype=torch.int64, device=dest0.device)
-            rows_view.index_copy_(0, experts, part)
+            rows_view.index_copy_(0, experts, _row_groups(marlin_weights_batched(rows), 0, nn))
 
 
 def plain(t):

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from .. import format as F
+from ..packed_codes import plain
 from . import marlin_launch, providers
 from .base import GridKernel, LayerSpec, bf16_output_no_bias, platform_default
 
@@ -567,7 +568,6 @@ def check_bf16_exact_weights(scales: torch.Tensor, weight: torch.Tensor, prefix:
     low = scales < BF16_EXACT_MIN_SCALE
     if not bool(low.any()):
         return
-    from ..packed_codes import plain
     blocks = plain(weight).view(torch.uint8).reshape(*scales.shape, F.BLOCK_SIZE) & 0x7F
     bad = low & (blocks != 0).any(-1)
     if bool(bad.any()):
