@@ -6,7 +6,8 @@
 #   bash benchmarks/sglang_session.sh gpu                # GPU tests under SGLang's env (GPU_TEST_ARGS; default: the Marlin
 #                                                       #   fast path, with MXFP8_GRID_VLLM_OPS set: vllm_ops_env.sh)
 #   bash benchmarks/sglang_session.sh update [KINDS]    # in-place updates + faults through the client (KINDS: "dense moe";
-#                                                       #   UPDATE_TIMEOUT=400 for the MoE model)
+#                                                       #   UPDATE_TIMEOUT=400 for the MoE model; UPDATE_GRID_OPTIONS:
+#                                                       #   plugin options as one JSON argument)
 # Results go to $OUT.  GRID_COMMIT=<hash> names the commit in the JSONL records.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -45,7 +46,7 @@ case "${1:-serve}" in
     t=${UPDATE_TIMEOUT:-280}
     for k in ${2:-dense}; do
       timeout $t python3 tests/gpu/sglang_update_check.py --kind "$k" --out "$OUT/sgl-update-$k.json" \
-        --deadline $((t - 20)) --start-timeout $((t - 80)) \
+        --deadline $((t - 20)) --start-timeout $((t - 80)) --grid-options "${UPDATE_GRID_OPTIONS:-}" \
         --log "$OUT/sgl-update-server-$k.log" >"$OUT/sgl-update-$k.log" 2>&1
       echo "sgl-update $k: exit $?"
       grep -E "^RESULT" "$OUT/sgl-update-$k.log" || tail -30 "$OUT/sgl-update-$k.log"

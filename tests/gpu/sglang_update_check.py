@@ -221,6 +221,10 @@ class LiveEngine:
                     "--quantization", "mxfp8-learner-grid", "--custom-weight-loader", GRID_LOADER,
                     "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
                     "--mem-fraction-static", "0.3", "--disable-prefill-cuda-graph", "--random-seed", "0"]
+        if args.grid_options:         # plugin options, as SGLang takes them: the model's quantization_config
+            opts = json.loads(args.grid_options)
+            self.cmd += ["--json-model-override-args",
+                         json.dumps({"quantization_config": dict(opts, quant_method="mxfp8-learner-grid")})]
         self.log_path = args.log
         self.logf = open(args.log, "w")
         # its own process group: the scheduler / detokenizer children go with it on stop()
@@ -672,6 +676,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per probe prompt (decode: CUDA graph)")
     ap.add_argument("--start-timeout", type=float, default=200.0, help="seconds from script start for the server")
     ap.add_argument("--deadline", type=float, default=262.0, help="seconds: then the server is killed, RESULT printed")
+    ap.add_argument("--grid-options", default="",
+                    help='plugin options as JSON, e.g. \'{"moe_single_copy": true}\' (the server\'s quantization_config)')
     ap.add_argument("--same-tol", type=float, default=1e-3,
                     help="max |logprob| change allowed where the weights must not have changed")
     args = ap.parse_args()
