@@ -90,6 +90,9 @@ class PackedCodes(torch.Tensor):
     def box(self):
         """((e0, ne), (n0, nn), (k0, nk)): what this view covers of [E, N, K]."""
         from .sync.regions import view_box
+        box = getattr(self, "_box", None)
+        if box is not None:
+            return box
         box = view_box(self, self._full, 0)
         if box is None:
             raise ValueError(f"{self!r}: not a box of the codes (a view the packed layout cannot take)")
@@ -107,13 +110,16 @@ class PackedCodes(torch.Tensor):
     def write(self, src) -> None:
         """``self.copy_(src)``: the box repacked in place (broadcasting and casts as ``copy_`` does them)."""
         from .grid_kernels.marlin import marlin_unpack_batched, marlin_weights_batched
-        if isinstance(src, PackedCodes):
-            src = src.materialize()
         if self.numel() == 0:
             return
         (e0, ne), (n0, nn), (k0, nk) = self.box()
         _, n, k = self._full
         dest = self._packed[e0:e0 + ne]
+        if isinstance(src, PackedCodes):
+            if src._full == self._full and (n0, nn, k0, nk) == (0, n, 0, k) and src.box() == self.box():
+                dest.copy_(src._packed[e0:e0 + ne])  # whole experts of the same layout (a rollback): their bytes
+                return
+            src = src.materialize()
         if _packs_straight(self, src, ((e0, ne), (n0, nn), (k0, nk))):
             rows = src.to(self.device).reshape(ne, nn, k).contiguous()
             if (n0, nn) == (0, n):                   # whole experts: packed straight into the buffer
@@ -124,6 +130,18 @@ class PackedCodes(torch.Tensor):
         codes = marlin_unpack_batched(dest, n)       # any other box: read, modify, write back its experts
         codes[:, n0:n0 + nn, k0:k0 + nk].view(self.shape).copy_(src)    # a view: only size-1 dims dropped
         marlin_weights_batched(codes, out=dest)
+
+    def slice_box(self, box) -> "PackedCodes":
+        """``regions.slice_box(self, box)`` (the box's shape, dims kept) as one view rather than a narrow per
+        dim, each a pass through the dispatch below (a write plan's replay makes one per write)."""
+        if len(box) != self.dim() or any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, self.shape)):
+            raise IndexError(f"{self!r}: box {list(box)} is outside its shape {list(self.shape)}")
+        stride = self.stride()
+        view = self._view(tuple(n for _, n in box), stride,
+                          self.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))
+        if tuple(self.shape) == self._full and self.storage_offset() == 0:
+            view._box = tuple((int(s), int(n)) for s, n in box)     # a box of the whole codes: known already
+        return view
 
     # -- dispatch ----------------------------------------------------------------------------
     def _view(self, shape, stride, offset) -> "PackedCodes":
@@ -208,7 +226,14 @@ def _packs_straight(dest: PackedCodes, src, box) -> bool:
     K, from fp8 codes of dest's shape -- rather than by a read-modify-write of its experts?"""
     _, (n0, nn), (k0, nk) = box
     return ((k0, nk) == (0, dest._full[2]) and n0 % _GROUP_ROWS == 0 and nn % _GROUP_ROWS == 0
-            and isinstance(src, torch.Tensor) and src.dtype == dest.dtype and tuple(src.shape) == tuple(dest.shape))
+            and isinstance(src, torch.Tensor) and src.dtype == dest.dtype
+            and _unit_dims_dropped(src.shape) == _unit_dims_dropped(dest.shape))
+
+
+def _unit_dims_dropped(shape) -> tuple:
+    """``shape`` without its size-1 dims: a copy between two such shapes moves the same elements in the same
+    order (a write plan's box keeps the expert dim, [1, n, K], where its source is [n, K])."""
+    return tuple(int(d) for d in shape if d != 1)
 
 
 def _row_groups(packed: torch.Tensor, n0: int, nn: int) -> torch.Tensor:
@@ -265,6 +290,16 @@ def write_all(dests, srcs) -> None:
             rows = torch.stack([src.to(dest0.device).reshape(nn, k) for _, src, _ in chunk])
             experts = torch.tensor([ex for _, _, ex in chunk], dtype=torch.int64, device=dest0.device)
             rows_view.index_copy_(0, experts, _row_groups(marlin_weights_batched(rows), 0, nn))
+
+
+def copy_held(t: torch.Tensor, device) -> torch.Tensor:
+    """A copy of ``t``'s bytes on ``device`` (the sync's backup of a parameter before an update writes it): a
+    whole PackedCodes copied on its own device stays packed -- one copy of the int32 buffer, no unpack -- and
+    ``copy_`` of it back (a rollback) is a copy of those bytes again; anything else as a plain copy."""
+    device = torch.device(device)
+    if isinstance(t, PackedCodes) and device == t.device and tuple(t.shape) == t._full and t.storage_offset() == 0:
+        return PackedCodes(t.packed.clone(), t._full[1])
+    return plain(t).detach().to(device, copy=True)
 
 
 def plain(t):

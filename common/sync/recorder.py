@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import format as F
+from ..packed_codes import copy_held
 from .regions import Box, view_box
 
 
@@ -362,7 +363,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
     def _back_up(self, pname: str, param: torch.Tensor) -> None:
         """The parameter's previous bytes, the first time an update touches it."""
         if self.backup and pname not in self.backups:
-            self.backups[pname] = param.detach().to("cpu" if self.backup == "host" else param.device, copy=True)
+            self.backups[pname] = copy_held(param, "cpu" if self.backup == "host" else param.device)
 
     def record(self, write: Write, dest: torch.Tensor, src: torch.Tensor) -> None:
         """Account for a copy of ``src`` into ``dest`` (a view of parameter ``write.param``) that the caller
