@@ -20,60 +20,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_write_plan import FusedAdapter  # noqa: E402  (the CPU tests' fused-layer adapter)
+from test_packed_codes import ExpertsAdapter  # noqa: E402  (the CPU tests' MoE layer: w13 / w2, loaded per expert)
 
-from mxfp8_learner_grid.common.grid_kernels.marlin import marlin_weights_batched  # noqa: E402
-from mxfp8_learner_grid.common.packed_codes import hold_packed  # noqa: E402
 from mxfp8_learner_grid.common.sync.manifest import Manifest  # noqa: E402
 from mxfp8_learner_grid.common.sync.session import UpdateSession  # noqa: E402
 
-I, K = 64, 64
-
-
-def _codes(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 120, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-
-
-class Experts(FusedAdapter):
-    """One MoE layer: w13 [E, 2I, K] (gate rows, then up rows) and w2 [E, K, I], loaded expert by expert as
-    the engines' expert loaders write them."""
-
-    def __init__(self, experts: int, held: bool):
-        super().__init__()
-        self.e = experts
-        self.m = torch.nn.Module()
-        self.m.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * I, K, dtype=torch.float8_e4m3fn), requires_grad=False)
-        self.m.w2 = torch.nn.Parameter(torch.zeros(experts, K, I, dtype=torch.float8_e4m3fn), requires_grad=False)
-        if held:
-            for attr in ("w13", "w2"):
-                hold_packed(self.m, attr, marlin_weights_batched(getattr(self.m, attr).data))
-
-    def _engine_load(self, named):
-        for n, t in named:
-            self.loader_calls += 1
-            e, proj = n.split(".")
-            if proj == "down":
-                self.m.w2.data[int(e)].copy_(t)
-            else:
-                self.m.w13.data[int(e)].narrow(0, 0 if proj == "gate" else I, I).copy_(t)
-
-    def signature(self):
-        shapes = {f"{e}.{p}": (((K, I) if p == "down" else (I, K)), False)
-                  for e in range(self.e) for p in ("gate", "up", "down")}
-        return shapes, {n: torch.float8_e4m3fn for n in shapes}, set()
-
-
-def _tensors(experts: int, seed: int) -> dict:
-    return {f"{e}.{p}": _codes(*((K, I) if p == "down" else (I, K)), seed=seed * 10_000 + 3 * e + i)
-            for e in range(experts) for i, p in enumerate(("gate", "up", "down"))}
-
 
 def run(experts: int, held: bool, reps: int) -> dict:
-    ad = Experts(experts, held)
+    ad = ExpertsAdapter(experts, down=True, norm=False, held=held)
     secs, replayed = [], 0
     for v in range(1, reps + 2):
-        t = _tensors(experts, v)
+        t = ad.tensors(v)
         s = UpdateSession(ad, Manifest.of(t, v, "bf16"), digest="sampled")
         t0 = time.perf_counter()
         s.load(list(t.items()))

@@ -87,6 +87,11 @@ class PackedCodes(torch.Tensor):
         return (f"PackedCodes(shape={list(self.shape)}, of [E, N, K]={list(self._full)}, held as Marlin int32 "
                 f"{list(self._packed.shape)} on {self._packed.device})")
 
+    def is_whole(self) -> bool:
+        """This view is the whole codes [E, N, K], in their own strides (a box of it is known without a search)."""
+        return (tuple(self.shape) == self._full and self.storage_offset() == 0
+                and tuple(self.stride()) == _full_strides(self._full))
+
     def box(self):
         """((e0, ne), (n0, nn), (k0, nk)): what this view covers of [E, N, K]."""
         from .sync.regions import view_box
@@ -139,7 +144,7 @@ class PackedCodes(torch.Tensor):
         stride = self.stride()
         view = self._view(tuple(n for _, n in box), stride,
                           self.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))
-        if tuple(self.shape) == self._full and self.storage_offset() == 0:
+        if self.is_whole():
             view._box = tuple((int(s), int(n)) for s, n in box)     # a box of the whole codes: known already
         return view
 
@@ -297,7 +302,7 @@ def copy_held(t: torch.Tensor, device) -> torch.Tensor:
     whole PackedCodes copied on its own device stays packed -- one copy of the int32 buffer, no unpack -- and
     ``copy_`` of it back (a rollback) is a copy of those bytes again; anything else as a plain copy."""
     device = torch.device(device)
-    if isinstance(t, PackedCodes) and device == t.device and tuple(t.shape) == t._full and t.storage_offset() == 0:
+    if isinstance(t, PackedCodes) and device == t.device and t.is_whole():
         return PackedCodes(t.packed.clone(), t._full[1])
     return plain(t).detach().to(device, copy=True)
 

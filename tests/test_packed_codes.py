@@ -162,16 +162,24 @@ I = 64                           # "intermediate": gate rows 0..63, up rows 64..
 
 
 class ExpertsAdapter(FusedAdapter):
-    """Two experts' fp8 gate / up [64, 64] land in one packed-held w13 [2, 128, 64], as an engine's expert loader
-    writes them (``param.data[e].narrow(0, offset, 64).copy_``); 'norm' is a plain parameter beside it
-    (test_write_plan's adapter otherwise)."""
+    """One MoE layer as an engine's expert loader writes it (``param.data[e].narrow(0, offset, I).copy_``): fp8
+    gate / up [I, 64] of each expert into a w13 [E, 2I, 64], held packed (``held``), by default two experts and a
+    plain 'norm' parameter beside them (test_write_plan's adapter otherwise).  ``down=True`` adds w2 [E, 64, I]
+    (``benchmarks/bench_packed_replay.py``'s layer of many experts)."""
 
-    def __init__(self):
+    def __init__(self, experts: int = 2, down: bool = False, norm: bool = True, held: bool = True):
         super().__init__()
+        self.e, self.down, self.norm = experts, down, norm
         self.m = torch.nn.Module()
-        self.m.w13 = torch.nn.Parameter(torch.zeros(2, 2 * I, 64, dtype=torch.float8_e4m3fn), requires_grad=False)
-        hold_packed(self.m, "w13", marlin_weights_batched(self.m.w13.data))
-        self.m.norm = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+        self.m.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * I, 64, dtype=torch.float8_e4m3fn),
+                                        requires_grad=False)
+        if down:
+            self.m.w2 = torch.nn.Parameter(torch.zeros(experts, 64, I, dtype=torch.float8_e4m3fn),
+                                           requires_grad=False)
+        for attr in ("w13", "w2")[:1 + down] if held else ():
+            hold_packed(self.m, attr, marlin_weights_batched(getattr(self.m, attr).data))
+        if norm:
+            self.m.norm = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
 
     def _engine_load(self, named):
         for n, t in named:
@@ -180,18 +188,34 @@ class ExpertsAdapter(FusedAdapter):
                 self.m.norm.data.copy_(t)
                 continue
             e, proj = n.split(".")
-            self.m.w13.data[int(e)].narrow(0, 0 if proj == "gate" else I, I).copy_(t)
+            if proj == "down":
+                self.m.w2.data[int(e)].copy_(t)
+            else:
+                self.m.w13.data[int(e)].narrow(0, 0 if proj == "gate" else I, I).copy_(t)
+
+    def projections(self):
+        return ("gate", "up", "down")[:2 + self.down]
 
     def signature(self):
-        shapes = {f"{e}.{p}": ((I, 64), False) for e in (0, 1) for p in ("gate", "up")}
+        shapes = {f"{e}.{p}": (((64, I) if p == "down" else (I, 64)), False)
+                  for e in range(self.e) for p in self.projections()}
         dtypes = {n: torch.float8_e4m3fn for n in shapes}
+        if not self.norm:
+            return shapes, dtypes, set()
         return {**shapes, "norm": ((64,), False)}, {**dtypes, "norm": torch.float32}, set()
+
+    def tensors(self, seed):
+        """One update's tensors for this layer (``seed`` picks the values)."""
+        projs = self.projections()
+        out = {f"{e}.{p}": _codes(*((64, I) if p == "down" else (I, 64)), seed=seed * 10_000 + len(projs) * e + i)
+               for e in range(self.e) for i, p in enumerate(projs)}
+        if self.norm:
+            out["norm"] = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+        return out
 
 
 def _expert_tensors(seed):
-    out = {f"{e}.{p}": _codes(I, 64, seed=seed * 10 + 2 * e + (p == "up")) for e in (0, 1) for p in ("gate", "up")}
-    out["norm"] = torch.randn(64, generator=torch.Generator().manual_seed(seed))
-    return out
+    return ExpertsAdapter().tensors(seed)
 
 
 def _assembled(t):
