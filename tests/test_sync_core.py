@@ -568,3 +568,20 @@ def test_the_ranks_phases_reach_the_report_and_the_staging_is_released_once_per_
     assert ended == [1]
     rep = client.update_weights({"weight": torch.randn(64, 96) * float("nan")}, format="bf16", version=2)
     assert not rep.applied and ended == [1, 1]
+
+
+def test_a_registered_tensor_is_found_by_identity_and_a_reregistered_range_replaces_it():
+    """``source_of`` finds a registered tensor itself without a range search; registering the same bytes again
+    (the same tensor, or another view of them) replaces the older registration for both lookups."""
+    rec = WriteRecorder({"p": torch.zeros(4, 32)}, backup=False)
+    bucket = torch.randn(8, 32)
+    a, b = bucket[:4], bucket[4:]
+    rec.add_source(a, "a", "plain")
+    rec.add_source(b, "b", "plain")
+    assert rec.source_of(a).name == "a" and rec.source_of(b).name == "b" and rec.source_of(b[1:2]).name == "b"
+    rec.add_source(a, "a2", "plain")                          # the same tensor again, under another name
+    assert rec.source_of(a).name == "a2"
+    same_bytes = bucket.narrow(0, 0, 4)                       # another view of a's bytes
+    rec.add_source(same_bytes, "c", "plain")
+    assert rec.source_of(a).name == "c" and rec.source_of(same_bytes).name == "c"
+    assert rec.source_of(a[2:3]).name == "c"

@@ -182,3 +182,22 @@ def test_the_recorders_own_accounting_keeps_the_dtype_rule():
     assert rec.writes == [] and rec.backups == {} and not norm.any()
     rec.record(Write("norm", "plain", None, "norm", None, (32,)), norm.data, torch.ones(32))
     assert len(rec.writes) == 1 and torch.equal(rec.backups["norm"], torch.zeros(32))
+
+
+def test_a_replayed_commit_keeps_its_entries_and_a_loaded_tensor_is_captured_afresh():
+    """After a commit, a tensor the update replayed keeps its entry as it was (the replay wrote exactly it; the
+    commit does not regroup its writes); one that went through the loaders is captured from their writes."""
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    before = dict(ad.plan.entries)
+    second = _update(ad, 2, _tensors(1))
+    assert second.timings["replayed"] == 3 and ad.plan.replayed_names == set()
+    assert all(ad.plan.entries[n] is before[n] for n in before)
+    del ad.plan.entries["k"]                                   # 'k' not described: the loader writes it
+    third = _update(ad, 3, _tensors(2))
+    assert third.timings["replayed"] == 2 and ad.loader_calls == 4
+    assert ad.plan.entries["q"] is before["q"] and ad.plan.entries["norm"] is before["norm"]
+    assert ad.plan.entries["k"] is not before["k"] and ad.plan.entries["k"].writes == before["k"].writes
+    fourth = _update(ad, 4, _tensors(3))
+    assert fourth.timings["replayed"] == 3 and ad.loader_calls == 4
+    assert torch.equal(ad.m.qk[8:], _tensors(3)["k"])

@@ -60,6 +60,8 @@ class WritePlan:
     params: dict = field(default_factory=dict)       # parameter name -> (weak ref to the module, attribute,
                                                      #                    weak ref to the tensor, data_ptr)
     replayed: int = 0                                # tensors the last load calls replayed (for reports and tests)
+    replayed_names: set = field(default_factory=set)  # the learner tensors replayed since the session began
+                                                      # (``begin``): their entries are what the update did
 
     # -- building ----------------------------------------------------------------------------
     def capture(self, model: torch.nn.Module, specs: dict, writes: list, shards: list) -> int:
@@ -71,15 +73,24 @@ class WritePlan:
             return 0
         if self.entries and not self.valid():
             self.clear()
+        # a tensor this update replayed was written exactly as its entry says (the replay made its writes and
+        # counted its shards from the entry): the entry stays, without regrouping its writes
+        same = {n for n in self.replayed_names if n in self.entries and n in specs
+                and (self.entries[n].shape, self.entries[n].dtype) == (tuple(specs[n][0]), specs[n][1])}
+        self.replayed_names = set()
         by_source: dict = {}
         for w in writes:
-            by_source.setdefault(w.source, []).append(w)
+            if w.source not in same:
+                by_source.setdefault(w.source, []).append(w)
         by_shard: dict = {}
         for name, layer, param, key in shards:
-            by_shard.setdefault(name, []).append((weakref.ref(layer), param, key))
+            if name not in same:
+                by_shard.setdefault(name, []).append((weakref.ref(layer), param, key))
         live = dict(model.named_parameters())
-        kept = 0
+        kept = len(same)
         for name, (shape, dtype) in specs.items():
+            if name in same:
+                continue
             entry = self._entry(name, tuple(shape), dtype, by_source.get(name, []), by_shard.get(name, []), live)
             if entry is None:
                 self.entries.pop(name, None)
@@ -109,9 +120,14 @@ class WritePlan:
         return _Entry(shape, dtype, quantized, [(w.role, w.src_box, w.param, w.dest_box) for w in writes],
                       list(shards))
 
+    def begin(self) -> None:
+        """An update session starts: nothing replayed in it yet."""
+        self.replayed_names = set()
+
     def clear(self) -> None:
         self.entries.clear()
         self.params.clear()
+        self.replayed_names = set()
 
     def valid(self) -> bool:
         """Every parameter the plan writes is still its module's, in the same storage, and every layer whose
@@ -158,7 +174,7 @@ class WritePlan:
                     batch += pairs
                 else:
                     seen.append((t, e, src, pairs))
-                done.append((t, e))
+                done.append((name, t, e))
         self._copy(batch)
         for t, e, src, pairs in seen:              # each copy through the recorder's mode, as a loader's
             if e.quantized:
@@ -167,8 +183,9 @@ class WritePlan:
             with torch.no_grad():
                 for dest, part in pairs:
                     dest.copy_(part)
-        for t, e in done:                          # after the bytes landed: a refresh outside a deferred scope
+        for name, t, e in done:                    # after the bytes landed: a refresh outside a deferred scope
             self._count(t, e)                      # rebuilds from them
+            self.replayed_names.add(name)
         if rest:
             engine_load(rest)
 

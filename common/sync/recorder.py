@@ -259,6 +259,7 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
     backups: dict = field(default_factory=dict)   # param name -> host copy of its previous bytes
     _by_storage: dict = field(default_factory=dict)
     _sources: dict = field(default_factory=dict)
+    _by_id: dict = field(default_factory=dict)    # id(tensor) -> its _Source, while it is the registered one
     _pending: list = field(default_factory=list)  # (message, 0-dim bool flag) content checks not yet read
     shards: list = field(default_factory=list)    # (learner name, layer, param, shard key): counted writes
 
@@ -278,8 +279,12 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         ``checked``: its content already passed :func:`check_contents` (writes of it skip the rules)."""
         lo, hi = _extent(t)
         st = self._sources.setdefault(t.untyped_storage().data_ptr(), _StorageSources())
-        st.by_range[(lo, hi)] = _Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi, weakref.ref(t),
-                                        checked)
+        old = st.by_range.get((lo, hi))
+        if old is not None and old.ref() is not None:
+            self._by_id.pop(id(old.ref()), None)      # replaced: its tensor is no longer this range's source
+        src = st.by_range[(lo, hi)] = _Source(name, role, tuple(t.shape), t.storage_offset(), lo, hi,
+                                              weakref.ref(t), checked)
+        self._by_id[id(t)] = src
         st.order = None
 
     def source_of(self, t: torch.Tensor) -> Optional[_Source]:
@@ -288,7 +293,14 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         A bisection over the storage's sorted ranges, then a walk down from the last range that starts
         at or before ``t``: the first live range that contains ``t`` is the innermost of the nested
         ranges containing it (views nest), among equal starts the shortest.  A packed bucket holds a
-        hundred sources in one storage; a scan of all of them per write cost ~4x the lookup."""
+        hundred sources in one storage; a scan of all of them per write cost ~4x the lookup.
+
+        A registered tensor itself (a bucket's tensor, as a write plan's replay and the loaders' shard
+        accounting pass it) is found by identity first: a range that contains its own is at least as long,
+        and one of the same bytes replaces the older registration (identity included)."""
+        hit = self._by_id.get(id(t))
+        if hit is not None and hit.ref() is t:
+            return hit
         try:
             st = self._sources.get(t.untyped_storage().data_ptr())
         except Exception:
@@ -373,8 +385,9 @@ class WriteRecorder(TorchDispatchMode):  # noqa: D101
         The content rules are not run: the caller only replays sources that passed them
         (:meth:`checked_source`)."""
         _no_cast(write.source, write.param, dest, src)
-        with unrecorded():                  # the backup's own copy writes no parameter (a no-op when the
-            self._back_up(write.param, self.params[write.param])     # caller left the mode already)
+        if self.backup and write.param not in self.backups:
+            with unrecorded():              # the backup's own copy writes no parameter (a no-op when the
+                self._back_up(write.param, self.params[write.param])     # caller left the mode already)
         self.writes.append(write)
 
     def checked_source(self, t: torch.Tensor, name: str) -> bool:

@@ -53,6 +53,8 @@ class UpdateSession:
         # the adapter's write plan (plan.py): replayed for the tensors it describes, rebuilt after a clean
         # commit; never when verifying a trainer's own load (that must run the engine's loader)
         self.plan = getattr(adapter, "plan", None) if (replay and not self.verify) else None
+        if self.plan is not None:
+            self.plan.begin()
         if self.verify and not backup:
             backup = "host"                 # verification compares with, and restores, the bytes found
         if digest not in ("off", "sampled", "full"):

