@@ -585,3 +585,14 @@ def test_a_registered_tensor_is_found_by_identity_and_a_reregistered_range_repla
     rec.add_source(same_bytes, "c", "plain")
     assert rec.source_of(a).name == "c" and rec.source_of(same_bytes).name == "c"
     assert rec.source_of(a[2:3]).name == "c"
+
+
+def test_a_manifest_dict_is_dataclasses_asdict_of_it():
+    import dataclasses
+    m = Manifest.of({"a": torch.zeros(2, 64, dtype=torch.bfloat16), "b": torch.zeros(3)}, 7, "mxfp8", partial=True,
+                    kv_scales={"0": [0.5, 2.0]})
+    d = m.to_dict()
+    assert d == dataclasses.asdict(m) and Manifest.from_json(m.to_json()) == m
+    d["tensors"][0]["shape"].append(9)
+    d["kv_scales"]["0"].append(1.0)
+    assert m.tensors[0].shape == [2, 64] and m.kv_scales == {"0": [0.5, 2.0]}      # a copy, as asdict's

@@ -11,8 +11,9 @@ anything changes.
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
 import torch
@@ -64,8 +65,15 @@ class Manifest:
         return cls(int(version), format, [TensorSpec(n, [int(d) for d in shape], str(dtype)) for n, shape, dtype in specs],
                    partial, kv_scales)
 
+    def to_dict(self) -> dict:
+        """``dataclasses.asdict(self)``, built directly: asdict deep-copies field by field (30 us per tensor on
+        this repo's CPU; a 30B-A3B update lists ~19,000 tensors)."""
+        return {"version": self.version, "format": self.format,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors],
+                "partial": self.partial, "kv_scales": copy.deepcopy(self.kv_scales)}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, s: str) -> "Manifest":

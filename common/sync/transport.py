@@ -118,9 +118,9 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | N
     if buffer is None or buffer.numel() < need or buffer.device != device:
         buffer = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
     views = packed_views(buffer, layout)
-    with torch.no_grad():
-        for name, t in bucket:
-            views[name].copy_(t.detach())
+    if bucket:
+        with torch.no_grad():               # one call (CUDA: a few multi-tensor launches), not a copy_ per tensor
+            torch._foreach_copy_([views[name] for name, _ in bucket], [t.detach() for _, t in bucket])
     return buffer, layout
 
 
