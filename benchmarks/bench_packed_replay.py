@@ -3,7 +3,9 @@
 
 A CPU benchmark of the sync's Python path, not of the kernels: small experts (bytes do not matter), many of them
 (the write count does).  One update through the engine's loaders (the plan is recorded), then ``--reps`` replayed
-updates, each through a whole ``UpdateSession`` (recorder, backups, sampled digest).  Prints one JSON row per arm:
+updates, each through a whole ``UpdateSession`` (recorder, backups, sampled digest).  ``load_ms`` times the session's
+``load`` (its per-tensor checks and the replay); ``manifest_ms`` the manifest's JSON both ways, ``finish_ms`` the
+local checks and digests, ``commit_ms`` the commit (the plan kept): medians.  Prints one JSON row per arm:
 
     python benchmarks/bench_packed_replay.py [--experts 128] [--reps 5] [--out rows.jsonl]
 """
@@ -28,23 +30,31 @@ from mxfp8_learner_grid.common.sync.session import UpdateSession  # noqa: E402
 
 def run(experts: int, held: bool, reps: int) -> dict:
     ad = ExpertsAdapter(experts, down=True, norm=False, held=held)
-    secs, replayed = [], 0
+    secs, replayed, phases = [], 0, {"manifest_ms": [], "finish_ms": [], "commit_ms": []}
     for v in range(1, reps + 2):
         t = ad.tensors(v)
-        s = UpdateSession(ad, Manifest.of(t, v, "bf16"), digest="sampled")
         t0 = time.perf_counter()
+        manifest = Manifest.from_json(Manifest.of(t, v, "bf16").to_json())   # the client's JSON, the rank's parse
+        t1 = time.perf_counter()
+        s = UpdateSession(ad, manifest, digest="sampled")
+        t2 = time.perf_counter()
         s.load(list(t.items()))
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
         rep = s.finish()
+        t4 = time.perf_counter()
         if rep.failed() or not s.commit(True):
             raise SystemExit(f"update {v} failed: {rep.summary()}")
+        t5 = time.perf_counter()
         if v > 1:                                  # update 1 went through the loaders and recorded the plan
-            secs.append(dt)
+            secs.append(t3 - t2)
+            for key, dt in (("manifest_ms", t1 - t0), ("finish_ms", t4 - t3), ("commit_ms", t5 - t4)):
+                phases[key].append(dt)
             replayed = s.timings.get("replayed")
     med = statistics.median(secs)
     return {"arm": "packed (moe_single_copy)" if held else "plain (two copies)", "experts": experts,
             "writes": 3 * experts, "replayed": replayed, "load_ms": round(med * 1e3, 2),
-            "us_per_write": round(med * 1e6 / (3 * experts), 1), "reps_ms": [round(x * 1e3, 2) for x in secs]}
+            "us_per_write": round(med * 1e6 / (3 * experts), 1), "reps_ms": [round(x * 1e3, 2) for x in secs],
+            **{k: round(statistics.median(v) * 1e3, 2) for k, v in phases.items()}}
 
 
 def main() -> int:
