@@ -201,3 +201,64 @@ def test_a_replayed_commit_keeps_its_entries_and_a_loaded_tensor_is_captured_afr
     fourth = _update(ad, 4, _tensors(3))
     assert fourth.timings["replayed"] == 3 and ad.loader_calls == 4
     assert torch.equal(ad.m.qk[8:], _tensors(3)["k"])
+
+
+class QuantizingAdapter(FusedAdapter):
+    """Grid parameters written from BF16 tensors the loader quantizes (``note_derived_source``, as the plugin's
+    loaders do): four experts' [16, 64] into w [4, 16, 64] / ws [4, 16, 2], and an 'o' [8, 64] of another shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = torch.nn.Module()
+        for name, shape, dtype in (("w", (4, 16, 64), torch.float8_e4m3fn), ("ws", (4, 16, 2), torch.uint8),
+                                   ("o", (8, 64), torch.float8_e4m3fn), ("os", (8, 2), torch.uint8)):
+            setattr(self.m, name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+
+    def _engine_load(self, named):
+        from mxfp8_learner_grid.common import quantize_rows
+        from mxfp8_learner_grid.common.sync.recorder import note_derived_source
+        for n, t in named:
+            self.loader_calls += 1
+            q, s = quantize_rows(t)
+            note_derived_source(q, t, "data")
+            note_derived_source(s, t, "scale")
+            if n == "o":
+                self.m.o.data.copy_(q)
+                self.m.os.data.copy_(s)
+            else:
+                self.m.w.data[int(n[1:])].copy_(q)
+                self.m.ws.data[int(n[1:])].copy_(s)
+
+    def signature(self):
+        shapes = {**{f"e{i}": ((16, 64), True) for i in range(4)}, "o": ((8, 64), True)}
+        return shapes, {n: torch.bfloat16 for n in shapes}, set()
+
+
+def _bf16(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {**{f"e{i}": torch.randn(16, 64, generator=g).bfloat16() for i in range(4)},
+            "o": torch.randn(8, 64, generator=g).bfloat16()}
+
+
+def test_a_replay_quantizes_equal_shapes_stacked_with_the_per_tensor_bytes(monkeypatch):
+    """A replay of BF16 grid tensors quantizes the tensors of one shape in stacked calls (a MoE layer's experts:
+    hundreds of equal tensors, each call's host time above its bytes'), in stacks bounded in bytes; the bytes
+    written are each tensor's own quantize_rows."""
+    import mxfp8_learner_grid.common as C
+    from mxfp8_learner_grid.common.sync import plan as P
+    ad = QuantizingAdapter()
+    _update(ad, 1, _bf16(0))
+    assert ad.loader_calls == 5 and all(e.quantized for e in ad.plan.entries.values())
+    calls, real = [], C.quantize_rows
+    monkeypatch.setattr(C, "quantize_rows", lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    monkeypatch.setattr(P, "QUANTIZE_STACK_BYTES", 3 * 16 * 64 * 2)          # stacks of three experts
+    new = _bf16(1)
+    s = _update(ad, 2, new)
+    assert s.timings["replayed"] == 5 and ad.loader_calls == 5
+    assert sorted(calls) == sorted([(3, 16, 64), (16, 64), (8, 64)])          # 3 + 1 experts, and 'o' alone
+    monkeypatch.undo()
+    for i in range(4):
+        q, sc = real(new[f"e{i}"])
+        assert torch.equal(ad.m.w[i].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ad.m.ws[i], sc)
+    q, sc = real(new["o"])
+    assert torch.equal(ad.m.o.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ad.m.os, sc)
