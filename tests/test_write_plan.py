@@ -262,3 +262,17 @@ def test_a_replay_quantizes_equal_shapes_stacked_with_the_per_tensor_bytes(monke
         assert torch.equal(ad.m.w[i].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ad.m.ws[i], sc)
     q, sc = real(new["o"])
     assert torch.equal(ad.m.o.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ad.m.os, sc)
+
+
+def test_on_cpu_large_tensors_are_quantized_one_call_each(monkeypatch):
+    from mxfp8_learner_grid.common.sync import plan as P
+    import mxfp8_learner_grid.common as C
+    calls, real = [], C.quantize_rows
+    monkeypatch.setattr(C, "quantize_rows", lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    ts = [torch.randn(16, 64).bfloat16() for _ in range(3)]
+    P.quantize_grouped(ts)
+    assert calls == [(3, 16, 64)]
+    calls.clear()
+    monkeypatch.setattr(P, "CPU_STACK_MAX_BYTES", 16 * 64 * 2 - 1)         # above it on CPU: no stack
+    out = P.quantize_grouped(ts)
+    assert calls == [(16, 64)] * 3 and all(torch.equal(out[id(t)][1], real(t)[1]) for t in ts)

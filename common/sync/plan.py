@@ -45,19 +45,27 @@ from .regions import slice_box
 
 #: source bytes per stacked quantizer call of :func:`quantize_grouped` (its transient memory: the stack)
 QUANTIZE_STACK_BYTES = 256 << 20
+#: on CPU only tensors up to this size are stacked: the torch quantizer there is bound by its bytes, and a stack
+#: of larger ones ran slower than one call each (``benchmarks/bench_replay_quantize.py`` on this repo's 2-core
+#: CPU: 4.9x faster for 1,536 [64, 64], 1.06x for [128, 256], 0.44x for [768, 2048])
+CPU_STACK_MAX_BYTES = 32 << 10
 
 
 def quantize_grouped(tensors: list) -> dict:
     """{id(t): quantize_rows(t)} for high-precision tensors a replay quantizes, with the tensors of one shape,
     dtype and device stacked into one call (in stacks of at most :data:`QUANTIZE_STACK_BYTES`): a MoE layer's
-    experts are hundreds of equal [I, H] tensors, and each call costs more host time than its bytes (~0.2 ms on
-    this repo's CPU).  The bytes are the per-tensor calls': each 1x32 block's scale and codes depend only on
-    its own 32 values, and stacking adds only leading rows."""
+    experts are hundreds of equal [I, H] tensors, and each call costs host time beyond its bytes (~0.3 ms for a
+    small one on this repo's CPU; a Triton launch and its Python on a GPU).  On CPU only small tensors are
+    stacked (:data:`CPU_STACK_MAX_BYTES`).  The bytes are the per-tensor calls': each 1x32 block's scale and
+    codes depend only on its own 32 values, and stacking adds only leading rows."""
     from .. import quantize_rows
     groups: dict = {}
-    for t in tensors:
-        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
     out = {}
+    for t in tensors:
+        if t.device.type == "cpu" and t.numel() * t.element_size() > CPU_STACK_MAX_BYTES:
+            out[id(t)] = quantize_rows(t)
+        else:
+            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
     for group in groups.values():
         per = max(1, QUANTIZE_STACK_BYTES // max(1, group[0].numel() * group[0].element_size()))
         for i in range(0, len(group), per):
