@@ -596,3 +596,28 @@ def test_a_manifest_dict_is_dataclasses_asdict_of_it():
     d["tensors"][0]["shape"].append(9)
     d["kv_scales"]["0"].append(1.0)
     assert m.tensors[0].shape == [2, 64] and m.kv_scales == {"0": [0.5, 2.0]}      # a copy, as asdict's
+
+
+def test_slice_box_is_the_narrowed_view_and_refuses_a_box_outside():
+    from mxfp8_learner_grid.common.sync.regions import slice_box
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    for t in (base, torch.nn.Parameter(base.clone(), requires_grad=False), base[1:3], base[:, 2:5]):
+        for box in (((0, t.shape[0]), (1, 2), (3, 4)), ((1, 1), (0, t.shape[1]), (2, 6)), ((0, 1), (1, 1), (0, 8)),
+                    tuple((0, n) for n in t.shape)):
+            v, w = slice_box(t, box), t
+            for d, (s0, n) in enumerate(box):
+                w = w.narrow(d, s0, n)
+            assert (v.shape, v.stride(), v.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+            assert torch.equal(v, w) and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        with pytest.raises((IndexError, RuntimeError)):
+            slice_box(t, ((0, 1), (t.shape[1] - 1, 2), (0, 8)))
+        with pytest.raises((IndexError, RuntimeError)):
+            slice_box(t, ((0, 1), (0, 1), (-1, 2)))
+
+
+def test_a_tensors_extent_is_the_bytes_it_touches():
+    from mxfp8_learner_grid.common.sync.recorder import _extent
+    b = torch.zeros(4, 6, 8, dtype=torch.bfloat16)
+    assert _extent(b) == (0, 4 * 6 * 8 * 2) and _extent(b[1]) == (6 * 8 * 2, 2 * 6 * 8 * 2)
+    assert _extent(b[1:3, 2:4]) == ((6 * 8 + 2 * 8) * 2, (2 * 6 * 8 + 3 * 8 + 8) * 2)
+    assert _extent(b[:, :, 3]) == (3 * 2, (3 * 6 * 8 + 5 * 8 + 3 + 1) * 2)

@@ -241,6 +241,8 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     es = t.element_size()
     if t.numel() == 0:
         return t.storage_offset() * es, t.storage_offset() * es
+    if t.is_contiguous():
+        return t.storage_offset() * es, (t.storage_offset() + t.numel()) * es
     hi = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
     return t.storage_offset() * es, (hi + 1) * es
 

@@ -76,10 +76,22 @@ def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
     own = getattr(t, "slice_box", None)
     if own is not None:
         return own(box)
-    for d, (s, n) in enumerate(box):
-        if s or n != t.shape[d]:            # a dim the box covers whole needs no view (a replay makes ~5 per write)
-            t = t.narrow(d, s, n)
+    shape = t.shape
+    cut = [d for d, (s, n) in enumerate(box) if s or n != shape[d]]   # a dim covered whole needs no view
+    if len(cut) > 1 and type(t) in _PLAIN and len(box) == len(shape):
+        # one strided view instead of a narrow per dim (a replay makes one or two per write); the same view
+        if any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, shape)):
+            raise IndexError(f"box {list(box)} is outside the tensor's shape {list(shape)}")
+        stride = t.stride()
+        return t.as_strided(tuple(n for _, n in box), stride,
+                            t.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))
+    for d in cut:
+        s, n = box[d]
+        t = t.narrow(d, s, n)
     return t
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def coverage_problems(boxes: Iterable[Box], shape: Sequence[int]) -> list[str]:
