@@ -43,6 +43,7 @@ FAMILIES = (
     ("attention", r"flash|attn|attention|paged|fmha|reshape_and_cache"),
     ("marlin", r"[Mm]arlin"),
     ("w8a16 / grid triton", r"w8a16|grid_gemm|gemv|splitk_sum|dequant"),
+    ("moe routing / fused experts", r"fused_moe|moe_align|moe_sum|moe_|topk_softmax|grouped_topk|expert"),
     ("cublas gemm", r"gemm|sm90_xmma|cutlass|nvjet|Kernel2|splitKreduce"),
     ("sampling / logits", r"sampl|topk|top_k|softmax|argmax|gumbel|exponential"),
     ("copies / memset", r"[Mm]emcpy|[Mm]emset|copy|fill|elementwise|vectorized|index|cat"),

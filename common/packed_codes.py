@@ -34,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import format as F
+from .sync.regions import check_box
 
 aten = torch.ops.aten
 _VIEWS = {aten.detach.default, aten.alias.default}
@@ -139,8 +140,7 @@ class PackedCodes(torch.Tensor):
     def slice_box(self, box) -> "PackedCodes":
         """``regions.slice_box(self, box)`` (the box's shape, dims kept) as one view rather than a narrow per
         dim, each a pass through the dispatch below (a write plan's replay makes one per write)."""
-        if len(box) != self.dim() or any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, self.shape)):
-            raise IndexError(f"{self!r}: box {list(box)} is outside its shape {list(self.shape)}")
+        check_box(box, self.shape, self)
         stride = self.stride()
         view = self._view(tuple(n for _, n in box), stride,
                           self.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))

@@ -615,6 +615,20 @@ def test_slice_box_is_the_narrowed_view_and_refuses_a_box_outside():
             slice_box(t, ((0, 1), (0, 1), (-1, 2)))
 
 
+def test_check_box_names_its_owner_and_refuses_a_wrong_rank_or_a_box_outside():
+    from mxfp8_learner_grid.common.sync.regions import check_box
+
+    class Owner:
+        def __repr__(self):
+            return "codes[2, 64, 64]"
+    check_box(((0, 2), (63, 1)), (2, 64), "w")                       # inside: nothing
+    for box in (((0, 2), (63, 2)), ((-1, 1), (0, 1)), ((0, 2),), ((0, 1), (0, 1), (0, 1))):
+        with pytest.raises(IndexError, match=r"^w: box .* is outside its shape \[2, 64\]$"):
+            check_box(box, (2, 64), "w")
+    with pytest.raises(IndexError, match=r"^codes\[2, 64, 64\]: box"):
+        check_box(((0, 3), (0, 64)), (2, 64), Owner())
+
+
 def test_a_tensors_extent_is_the_bytes_it_touches():
     from mxfp8_learner_grid.common.sync.recorder import _extent
     b = torch.zeros(4, 6, 8, dtype=torch.bfloat16)

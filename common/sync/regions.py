@@ -80,8 +80,7 @@ def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
     cut = [d for d, (s, n) in enumerate(box) if s or n != shape[d]]   # a dim covered whole needs no view
     if len(cut) > 1 and type(t) in _PLAIN and len(box) == len(shape):
         # one strided view instead of a narrow per dim (a replay makes one or two per write); the same view
-        if any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, shape)):
-            raise IndexError(f"box {list(box)} is outside the tensor's shape {list(shape)}")
+        check_box(box, shape, "the tensor")
         stride = t.stride()
         return t.as_strided(tuple(n for _, n in box), stride,
                             t.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))
@@ -92,6 +91,14 @@ def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def check_box(box: Box, shape: Sequence[int], owner: object) -> None:
+    """Refuse (IndexError naming ``owner``: a string, or an object whose repr is taken only then) a box that is
+    not one ``(start, length)`` per dim inside ``shape``."""
+    if len(box) != len(shape) or any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, shape)):
+        what = owner if isinstance(owner, str) else repr(owner)
+        raise IndexError(f"{what}: box {list(box)} is outside its shape {list(shape)}")
 
 
 def coverage_problems(boxes: Iterable[Box], shape: Sequence[int]) -> list[str]:
