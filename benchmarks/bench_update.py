@@ -296,12 +296,20 @@ def main():
             if args.profile:
                 client.digest, client.backup, client.replay = "sampled", "device", True
                 llm.collective_rpc(_profile_start)
+                try:                                         # the trainer's side too, in this process (unless
+                    _profile_start(client)                   # the engine core runs here and profiles already)
+                except ValueError:
+                    client._bench_profile = None
                 r = client.update_weights(named, format=fmt)
+                mine = _profile_stop(client) if client._bench_profile else {"cumulative": "", "tottime": ""}
                 prof = llm.collective_rpc(_profile_stop)[0]
-                res.setdefault("profiles", {})[f"{transport}/{fmt}"] = {"ok": r.ok, "total_s": r.timings["total_s"],
-                                                                       **prof}
-                print(f"--- profile {transport}/{fmt} (update {r.timings['total_s']:.3f} s under cProfile)\n"
+                res.setdefault("profiles", {})[f"{transport}/{fmt}"] = {
+                    "ok": r.ok, "total_s": r.timings["total_s"], **prof,
+                    "client_cumulative": mine["cumulative"], "client_tottime": mine["tottime"]}
+                print(f"--- profile {transport}/{fmt} (update {r.timings['total_s']:.3f} s under cProfile), rank 0\n"
                       + "\n".join(prof["tottime"].splitlines()[:45]), flush=True)
+                print(f"--- profile {transport}/{fmt}, the client (this process)\n"
+                      + "\n".join(mine["tottime"].splitlines()[:40]), flush=True)
         del bf16, data
         if gpu:
             torch.cuda.empty_cache()
