@@ -73,20 +73,27 @@ def boxes_overlap(a: Box, b: Box) -> bool:
 def slice_box(t: torch.Tensor, box: Box) -> torch.Tensor:
     """``t`` restricted to ``box`` (dims kept, so the result has the box's shape).  A tensor that knows its own
     layout (``PackedCodes``) makes the view itself, in one step."""
+    shape = t.shape
+    if type(t) in _PLAIN and len(box) == len(shape):
+        # one strided view (a replay makes one or two per write), bounds checked in the same pass; a dim
+        # covered whole moves nothing, and a box covering the tensor is the tensor itself
+        stride = t.stride()
+        off, cut = 0, False
+        for (s, n), size, st in zip(box, shape, stride):
+            if s < 0 or n < 0 or s + n > size:
+                check_box(box, shape, "the tensor")        # raises, with the rule's message
+            if s or n != size:
+                cut = True
+                off += s * st
+        if not cut:
+            return t
+        return t.as_strided(tuple(n for _, n in box), stride, t.storage_offset() + off)
     own = getattr(t, "slice_box", None)
     if own is not None:
         return own(box)
-    shape = t.shape
-    cut = [d for d, (s, n) in enumerate(box) if s or n != shape[d]]   # a dim covered whole needs no view
-    if len(cut) > 1 and type(t) in _PLAIN and len(box) == len(shape):
-        # one strided view instead of a narrow per dim (a replay makes one or two per write); the same view
-        check_box(box, shape, "the tensor")
-        stride = t.stride()
-        return t.as_strided(tuple(n for _, n in box), stride,
-                            t.storage_offset() + sum(s * st for (s, _), st in zip(box, stride)))
-    for d in cut:
-        s, n = box[d]
-        t = t.narrow(d, s, n)
+    for d, (s, n) in enumerate(box):
+        if s or n != shape[d]:
+            t = t.narrow(d, s, n)
     return t
 
 
@@ -96,7 +103,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def check_box(box: Box, shape: Sequence[int], owner: object) -> None:
     """Refuse (IndexError naming ``owner``: a string, or an object whose repr is taken only then) a box that is
     not one ``(start, length)`` per dim inside ``shape``."""
-    if len(box) != len(shape) or any(s < 0 or n < 0 or s + n > size for (s, n), size in zip(box, shape)):
+    ok = len(box) == len(shape)
+    if ok:
+        for (s, n), size in zip(box, shape):
+            if s < 0 or n < 0 or s + n > size:
+                ok = False
+                break
+    if not ok:
         what = owner if isinstance(owner, str) else repr(owner)
         raise IndexError(f"{what}: box {list(box)} is outside its shape {list(shape)}")
 
