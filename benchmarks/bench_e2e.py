@@ -81,6 +81,17 @@ def kv_capacity(llm):
 _VLLM_WEIGHTS = re.compile(r"Model loading took ([0-9.]+) GiB")
 
 
+def distinct_per_step(seqs, skip=16):
+    """Mean count of distinct token ids across the batch per decode position (after the first ``skip``).  Greedy
+    decoding on dummy weights can collapse the batch onto a few tokens; then a MoE layer's tokens pick the same
+    experts and a step reads fewer expert weights, so tokens/s depends on this number (a diagnostic for the
+    bimodal 30B-A3B batches at concurrency 16, BENCHMARKS.md)."""
+    steps = min((len(s) for s in seqs), default=0)
+    if steps <= skip:
+        return None
+    return round(sum(len({s[j] for s in seqs}) for j in range(skip, steps)) / (steps - skip), 2)
+
+
 def worker(shape, arm, concs, grid_options, reps=1):
     from vllm import LLM, SamplingParams
     kw = llm_kwargs(shape, arm, max(concs), grid_options)
@@ -95,7 +106,7 @@ def worker(shape, arm, concs, grid_options, reps=1):
         # warm-up with the whole batch: on the H200 the first full batch ran 10-40 % slower in every arm
         # (2026-12-01, REPS=2), so a single cold batch understates the steady state
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
-        rates, secs = [], []
+        rates, secs, distinct = [], [], []
         for _ in range(reps):
             t = time.time()
             outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -103,8 +114,10 @@ def worker(shape, arm, concs, grid_options, reps=1):
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             rates.append(round(n / dt, 1))
             secs.append(round(dt, 2))
+            distinct.append(distinct_per_step([o.outputs[0].token_ids for o in outs]))
         print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
-                                   "secs": secs, "load_s": round(load_s, 1), **({"memory": mem} if mem else {})}), flush=True)
+                                   "secs": secs, "distinct": distinct, "load_s": round(load_s, 1),
+                                   **({"memory": mem} if mem else {})}), flush=True)
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -169,7 +182,7 @@ def run_arms(script, arms, shape, conc, arm_timeout, out, engine, extra=(), grid
                 rec = {"date": datetime.date.today().isoformat(), "shape": shape, "arm": arm, "conc": g["conc"],
                        "out_tok_s": g["out_tok_s"], "load_s": g["load_s"], "engine": engine,
                        "commit": commit, "secs": g["secs"]}
-                for key in ("reps", "memory"):
+                for key in ("reps", "distinct", "memory"):
                     if key in g:
                         rec[key] = g[key]
                 if arm == "grid+" and grid_options:
