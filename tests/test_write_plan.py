@@ -97,6 +97,20 @@ def test_the_plan_is_dropped_when_it_may_not_describe_the_engine():
     assert ad.loader_calls == 9 and s.timings["replayed"] == 0 and torch.equal(ad.m.qk[:8], new["q"])
 
 
+def test_a_parameter_reshaped_in_place_invalidates_the_plans_kept_views():
+    ad = FusedAdapter()
+    _update(ad, 1, _tensors(0))
+    assert ad.plan.entries["k"].views[0] == ((8, 32), (32, 1), 256)        # rows 8-15 of qk, kept at capture
+    ptr = ad.m.qk.data_ptr()
+    ad.m.qk.data = ad.m.qk.data.as_strided((16, 32), (1, 16))    # same object, storage and data_ptr; column-major
+    assert ad.m.qk.data_ptr() == ptr and not ad.plan.valid()
+    new = _tensors(2)
+    s = UpdateSession(ad, Manifest.of(new, 2, "bf16"), digest="full")
+    s.load(list(new.items()))
+    assert s.timings["replayed"] == 0 and ad.loader_calls == 6               # the loaders, not the old views
+    assert torch.equal(ad.m.qk[8:], new["k"]) and torch.equal(ad.m.qk[:8], new["q"])
+
+
 def test_writes_the_plan_cannot_describe_stay_with_the_loader():
     class Transposing(FusedAdapter):
         def _engine_load(self, named):          # 'k' read through a transposing view: not a box of the source

@@ -79,6 +79,21 @@ def quantize_grouped(tensors: list) -> dict:
     return out
 
 
+def _view_geometry(param: torch.Tensor, box) -> Optional[tuple]:
+    """(size, stride, storage offset) of ``slice_box(param, box)``, or None for a parameter that makes its own
+    views (``PackedCodes``)."""
+    if getattr(param, "slice_box", None) is not None:
+        return None
+    v = slice_box(param, box)
+    return tuple(v.shape), v.stride(), v.storage_offset()
+
+
+def _dest_view(param: torch.Tensor, box, geo: Optional[tuple]) -> torch.Tensor:
+    """The replay's destination: ``slice_box(param, box)``, from its geometry kept at capture (the plan's
+    ``valid`` checks that the parameter's storage, shape and strides did not move since)."""
+    return slice_box(param, box) if geo is None else param.as_strided(*geo)
+
+
 @dataclass
 class _Entry:
     shape: tuple
@@ -86,6 +101,11 @@ class _Entry:
     quantized: bool                 # writes come from quantize_rows(tensor): role "data" -> codes, "scale" -> scales
     writes: list                    # (role, src_box, parameter name, dest_box)
     shards: list                    # (weak ref to the layer, param, shard key), in the order the loaders counted them
+    records: list = field(default_factory=list)   # per write, the recorder's Write a replay of it records (as
+                                                  # the loader's was: immutable, so one object serves every replay)
+    views: list = field(default_factory=list)     # per write, the destination view's (size, stride, storage
+                                                  # offset) in its plain parameter, or None (a PackedCodes
+                                                  # parameter makes its own view): no box arithmetic per replay
 
 
 @dataclass
@@ -137,7 +157,10 @@ class WritePlan:
             mod_name, _, attr = pname.rpartition(".")
             mod = model.get_submodule(mod_name) if mod_name else model
             t = live[pname]
-            self.params[pname] = (weakref.ref(mod), attr, weakref.ref(t), t.data_ptr())
+            self.params[pname] = (weakref.ref(mod), attr, weakref.ref(t), t.data_ptr(), tuple(t.shape), t.stride())
+        for e in self.entries.values():
+            if not e.views:
+                e.views = [_view_geometry(live[pname], dbox) for _, _, pname, dbox in e.writes]
         return kept
 
     @staticmethod
@@ -154,7 +177,8 @@ class WritePlan:
         elif len(roles) != 1 or any(tuple(w.src_shape or ()) != shape for w in writes):
             return None
         return _Entry(shape, dtype, quantized, [(w.role, w.src_box, w.param, w.dest_box) for w in writes],
-                      list(shards))
+                      list(shards), [Write(name, w.role, w.src_box, w.param, w.dest_box,
+                                           tuple(w.src_shape) if w.src_shape is not None else None) for w in writes])
 
     def begin(self) -> None:
         """An update session starts: nothing replayed in it yet."""
@@ -168,9 +192,10 @@ class WritePlan:
     def valid(self) -> bool:
         """Every parameter the plan writes is still its module's, in the same storage, and every layer whose
         shards it counts is alive."""
-        for mod_ref, attr, t_ref, ptr in self.params.values():
+        for mod_ref, attr, t_ref, ptr, shape, stride in self.params.values():
             mod, t = mod_ref(), t_ref()
-            if mod is None or t is None or getattr(mod, attr, None) is not t or t.data_ptr() != ptr:
+            if (mod is None or t is None or getattr(mod, attr, None) is not t or t.data_ptr() != ptr
+                    or t.shape != shape or t.stride() != stride):
                 return False
         return all(ref() is not None for e in self.entries.values() for ref, _, _ in e.shards)
 
@@ -205,11 +230,11 @@ class WritePlan:
                     src = {"data": q, "scale": s}
                 else:
                     src = {e.writes[0][0]: t}
-                pairs = [(slice_box(self.params[pname][2](), dbox), slice_box(src[role], sbox))
-                         for role, sbox, pname, dbox in e.writes]
+                pairs = [(_dest_view(self.params[pname][2](), dbox, geo), slice_box(src[role], sbox))
+                         for (role, sbox, pname, dbox), geo in zip(e.writes, e.views)]
                 if rec is not None and rec.checked_source(t, name) and all(w[2] in rec.params for w in e.writes):
-                    for (role, sbox, pname, dbox), (dest, part) in zip(e.writes, pairs):
-                        rec.record(Write(name, role, sbox, pname, dbox, tuple(src[role].shape)), dest, part)
+                    for write, (dest, part) in zip(e.records, pairs):
+                        rec.record(write, dest, part)
                     batch += pairs
                 else:
                     seen.append((t, e, src, pairs))
