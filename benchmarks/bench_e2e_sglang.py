@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_e2e import make_model_dir, run_arms  # noqa: E402
+from bench_e2e import distinct_per_step, make_model_dir, run_arms  # noqa: E402
 
 
 def memory_usage(eng):
@@ -62,7 +62,7 @@ def worker(shape, arm, concs, grid_options, reps=1):
     for c in concs:
         ids = [[random.randrange(1000, 100000) for _ in range(512)] for _ in range(c)]
         eng.generate(input_ids=ids, sampling_params=dict(sp, max_new_tokens=8))    # warm-up, whole batch
-        rates, secs = [], []
+        rates, secs, distinct = [], [], []
         for _ in range(reps):
             t = time.time()
             outs = eng.generate(input_ids=ids, sampling_params=sp)
@@ -70,8 +70,11 @@ def worker(shape, arm, concs, grid_options, reps=1):
             n = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
             rates.append(round(n / dt, 1))
             secs.append(round(dt, 2))
+            seqs = [o.get("output_ids") for o in outs]      # present where the engine returns token ids
+            distinct.append(distinct_per_step(seqs) if all(q is not None for q in seqs) else None)
         print("ROW " + json.dumps({"conc": c, "out_tok_s": sorted(rates)[len(rates) // 2], "reps": rates,
-                                   "secs": secs, "load_s": round(load_s, 1), **({"memory": mem} if mem else {})}), flush=True)
+                                   "secs": secs, "distinct": distinct, "load_s": round(load_s, 1),
+                                   **({"memory": mem} if mem else {})}), flush=True)
     try:
         eng.shutdown()
     except Exception:
