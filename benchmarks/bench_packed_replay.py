@@ -5,9 +5,11 @@ A CPU benchmark of the sync's Python path, not of the kernels: small experts (by
 (the write count does).  One update through the engine's loaders (the plan is recorded), then ``--reps`` replayed
 updates, each through a whole ``UpdateSession`` (recorder, backups, sampled digest).  ``load_ms`` times the session's
 ``load`` (its per-tensor checks and the replay); ``manifest_ms`` the manifest's JSON both ways, ``finish_ms`` the
-local checks and digests, ``commit_ms`` the commit (the plan kept): medians.  Prints one JSON row per arm:
+local checks and digests, ``commit_ms`` the commit (the plan kept): medians.  ``--phases`` also times, inside the
+load, the bucket's content rules, the source registry and the plan's replay (``phases_ms``: mean per load; the
+timers add a little).  Prints one JSON row per arm:
 
-    python benchmarks/bench_packed_replay.py [--experts 128] [--reps 5] [--out rows.jsonl]
+    python benchmarks/bench_packed_replay.py [--experts 128] [--reps 5] [--phases] [--out rows.jsonl]
 """
 
 from __future__ import annotations
@@ -28,18 +30,51 @@ from mxfp8_learner_grid.common.sync.manifest import Manifest  # noqa: E402
 from mxfp8_learner_grid.common.sync.session import UpdateSession  # noqa: E402
 
 
-def run(experts: int, held: bool, reps: int) -> dict:
+class _Phases:
+    """Wall time of a few functions the session's load calls, summed while on (``--phases``)."""
+
+    def __init__(self):
+        from mxfp8_learner_grid.common.sync import plan, recorder, session
+        self.acc, self.on, self._undo = {}, False, []
+        self._wrap(session, "check_contents", "check_contents")
+        self._wrap(recorder.WriteRecorder, "add_source", "add_source")
+        self._wrap(plan.WritePlan, "load", "plan_load")
+
+    def _wrap(self, owner, attr, key):
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.on:
+                    self.acc[key] = self.acc.get(key, 0.0) + time.perf_counter() - t0
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn))
+
+    def close(self):
+        for owner, attr, fn in self._undo:
+            setattr(owner, attr, fn)
+
+
+def run(experts: int, held: bool, reps: int, phases_on: bool = False) -> dict:
     ad = ExpertsAdapter(experts, down=True, norm=False, held=held)
     secs, replayed, phases = [], 0, {"manifest_ms": [], "finish_ms": [], "commit_ms": []}
+    timers = _Phases() if phases_on else None
     for v in range(1, reps + 2):
         t = ad.tensors(v)
         t0 = time.perf_counter()
         manifest = Manifest.from_json(Manifest.of(t, v, "bf16").to_json())   # the client's JSON, the rank's parse
         t1 = time.perf_counter()
         s = UpdateSession(ad, manifest, digest="sampled")
+        if timers is not None:
+            timers.on = v > 1
         t2 = time.perf_counter()
         s.load(list(t.items()))
         t3 = time.perf_counter()
+        if timers is not None:
+            timers.on = False
         rep = s.finish()
         t4 = time.perf_counter()
         if rep.failed() or not s.commit(True):
@@ -50,20 +85,29 @@ def run(experts: int, held: bool, reps: int) -> dict:
             for key, dt in (("manifest_ms", t1 - t0), ("finish_ms", t4 - t3), ("commit_ms", t5 - t4)):
                 phases[key].append(dt)
             replayed = s.timings.get("replayed")
+    extra = {}
+    if timers is not None:
+        timers.close()
+        extra["phases_ms"] = {k: round(v * 1e3 / len(secs), 2) for k, v in timers.acc.items()}
+        extra["load_mean_ms"] = round(statistics.mean(secs) * 1e3, 2)
     med = statistics.median(secs)
-    return {"arm": "packed (moe_single_copy)" if held else "plain (two copies)", "experts": experts,
+    row = {"arm": "packed (moe_single_copy)" if held else "plain (two copies)", "experts": experts,
             "writes": 3 * experts, "replayed": replayed, "load_ms": round(med * 1e3, 2),
             "us_per_write": round(med * 1e6 / (3 * experts), 1), "reps_ms": [round(x * 1e3, 2) for x in secs],
             **{k: round(statistics.median(v) * 1e3, 2) for k, v in phases.items()}}
+    row.update(extra)
+    return row
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--phases", action="store_true", help="also time the load's content rules, source registry "
+                    "and replay")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [run(args.experts, held, args.reps) for held in (False, True)]
+    rows = [run(args.experts, held, args.reps, args.phases) for held in (False, True)]
     for r in rows:
         r.update(torch=torch.__version__, threads=torch.get_num_threads())
         print(json.dumps(r))

@@ -111,6 +111,34 @@ def test_a_parameter_reshaped_in_place_invalidates_the_plans_kept_views():
     assert torch.equal(ad.m.qk[8:], new["k"]) and torch.equal(ad.m.qk[:8], new["q"])
 
 
+def test_an_update_pauses_the_cyclic_gc_and_restores_it_even_when_refused():
+    import gc
+
+    from mxfp8_learner_grid.common.sync.session import gc_paused
+
+    class Watching(FusedAdapter):
+        def _engine_load(self, named):
+            self.seen = gc.isenabled()
+            super()._engine_load(named)
+    ad = Watching()
+    assert gc.isenabled()
+    _update(ad, 1, _tensors(0), replay=False)
+    assert ad.seen is False and gc.isenabled()                 # off inside the loaders, back on after
+    bad = _tensors(1)
+    bad["q"][0, 0] = float("inf")
+    s = UpdateSession(ad, Manifest.of(bad, 2, "bf16"))
+    with pytest.raises(UpdateRejected):
+        s.load(list(bad.items()))
+    assert gc.isenabled()                                       # a refused load restores it too
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()                               # off before: left off
+    finally:
+        gc.enable()
+
+
 def test_writes_the_plan_cannot_describe_stay_with_the_loader():
     class Transposing(FusedAdapter):
         def _engine_load(self, named):          # 'k' read through a transposing view: not a box of the source

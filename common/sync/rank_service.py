@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Optional
 from .digest import fingerprint
 from .manifest import Manifest
 from .recorder import UpdateRejected
-from .session import UpdateSession
+from .session import UpdateSession, gc_paused
 
 log = logging.getLogger("mxfp8_learner_grid.sync")
 
@@ -99,6 +99,10 @@ class RankService:
         return self.session
 
     def begin(self, manifest_json: str, options_json: str = "{}") -> dict:
+        with gc_paused():                    # the manifest's parse: objects per tensor, as in the session's calls
+            return self._begin(manifest_json, options_json)
+
+    def _begin(self, manifest_json: str, options_json: str) -> dict:
         kwargs, manifest, ad = session_options(options_json), Manifest.from_json(manifest_json), self.adapter
         if self.open:                        # a previous update never committed (client died or gave up)
             self.abort()

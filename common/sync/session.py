@@ -24,7 +24,10 @@ and ``fingerprint_regions``.
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -45,7 +48,32 @@ def _now() -> float:
     return time.perf_counter()
 
 
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the duration, back on after if it was on (nested uses keep it
+    off until the outermost ends).  An update allocates objects per tensor (records, sources, views); in an
+    engine process whose heap holds the model, the collections they trigger took about a third of a replayed
+    load's time on average on CPU, and its outliers (BENCHMARKS.md, thirty-second session).  Reference counting
+    still frees everything acyclic; cycles made meanwhile wait for the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _gc_paused(fn):
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        with gc_paused():
+            return fn(*args, **kwargs)
+    return paused
+
+
 class UpdateSession:
+    @_gc_paused
     def __init__(self, adapter: EngineAdapter, manifest: Manifest, backup: bool | str = True, digest: str = "sampled",
                  fraction: float = 0.05, seed: int = 0, verify: bool = False, replay: bool = True):
         t0 = _now()
@@ -102,6 +130,7 @@ class UpdateSession:
                         "replayed": 0}
 
     # -- loading ---------------------------------------------------------------------
+    @_gc_paused
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]], read_s: float = 0.0) -> None:
         """``read_s``: the seconds the caller spent receiving ``bucket`` (kept in the timings)."""
         self.timings["read_s"] += float(read_s)
@@ -174,6 +203,7 @@ class UpdateSession:
         return restored
 
     # -- finish: local checks ------------------------------------------------------------
+    @_gc_paused
     def finish(self) -> SyncReport:
         t0 = _now()
         report = SyncReport(version=self.manifest.version, applied=False)
@@ -215,6 +245,7 @@ class UpdateSession:
         """Committed or aborted: nothing of this update can change the weights any more."""
         return getattr(self, "committed", False) or getattr(self, "aborted", False)
 
+    @_gc_paused
     def commit(self, accept: bool) -> bool:
         """Accept (bump the version) or reject (roll back).  Returns whether the update serves."""
         if accept and getattr(self, "local_ok", False):
