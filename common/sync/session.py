@@ -51,10 +51,10 @@ def _now() -> float:
 @contextmanager
 def gc_paused():
     """Python's cyclic garbage collector off for the duration, back on after if it was on (nested uses keep it
-    off until the outermost ends).  An update allocates objects per tensor (records, sources, views); in an
-    engine process whose heap holds the model, the collections they trigger took about a third of a replayed
-    load's time on average on CPU, and its outliers (BENCHMARKS.md, thirty-second session).  Reference counting
-    still frees everything acyclic; cycles made meanwhile wait for the next collection."""
+    off until the outermost ends).  An update allocates objects per tensor (records, sources, views), and the
+    collections they trigger cost a replayed load 9-25 % of its mean time on CPU and made its slowest loads 2-3x
+    the median (BENCHMARKS.md, thirty-second session).  Reference counting still frees everything acyclic; cycles
+    made meanwhile wait for the next collection, after the call."""
     was = gc.isenabled()
     gc.disable()
     try:
