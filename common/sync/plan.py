@@ -99,13 +99,11 @@ class _Entry:
     shape: tuple
     dtype: torch.dtype
     quantized: bool                 # writes come from quantize_rows(tensor): role "data" -> codes, "scale" -> scales
-    writes: list                    # (role, src_box, parameter name, dest_box)
+    writes: list                    # the recorder's Write per write, as a replay records it (immutable: one
+                                    # object serves every replay)
     shards: list                    # (weak ref to the layer, param, shard key), in the order the loaders counted them
-    records: list = field(default_factory=list)   # per write, the recorder's Write a replay of it records (as
-                                                  # the loader's was: immutable, so one object serves every replay)
-    views: list = field(default_factory=list)     # per write, the destination view's (size, stride, storage
-                                                  # offset) in its plain parameter, or None (a PackedCodes
-                                                  # parameter makes its own view): no box arithmetic per replay
+    views: list                     # per write, the destination view's (size, stride, storage offset) in its plain
+                                    # parameter, or None (a PackedCodes parameter makes its own view)
 
 
 @dataclass
@@ -153,14 +151,11 @@ class WritePlan:
                 continue
             self.entries[name] = entry
             kept += 1
-        for pname in {w[2] for e in self.entries.values() for w in e.writes} - set(self.params):
+        for pname in {w.param for e in self.entries.values() for w in e.writes} - set(self.params):
             mod_name, _, attr = pname.rpartition(".")
             mod = model.get_submodule(mod_name) if mod_name else model
             t = live[pname]
             self.params[pname] = (weakref.ref(mod), attr, weakref.ref(t), t.data_ptr(), tuple(t.shape), t.stride())
-        for e in self.entries.values():
-            if not e.views:
-                e.views = [_view_geometry(live[pname], dbox) for _, _, pname, dbox in e.writes]
         return kept
 
     @staticmethod
@@ -176,9 +171,10 @@ class WritePlan:
                 return None                   # bytes derived otherwise (a slice quantized on its own): the loader's
         elif len(roles) != 1 or any(tuple(w.src_shape or ()) != shape for w in writes):
             return None
-        return _Entry(shape, dtype, quantized, [(w.role, w.src_box, w.param, w.dest_box) for w in writes],
-                      list(shards), [Write(name, w.role, w.src_box, w.param, w.dest_box,
-                                           tuple(w.src_shape) if w.src_shape is not None else None) for w in writes])
+        records = [Write(name, w.role, w.src_box, w.param, w.dest_box,
+                         tuple(w.src_shape) if w.src_shape is not None else None) for w in writes]
+        return _Entry(shape, dtype, quantized, records, list(shards),
+                      [_view_geometry(live[w.param], w.dest_box) for w in records])
 
     def begin(self) -> None:
         """An update session starts: nothing replayed in it yet."""
@@ -229,11 +225,11 @@ class WritePlan:
                     q, s = grid[id(t)]
                     src = {"data": q, "scale": s}
                 else:
-                    src = {e.writes[0][0]: t}
-                pairs = [(_dest_view(self.params[pname][2](), dbox, geo), slice_box(src[role], sbox))
-                         for (role, sbox, pname, dbox), geo in zip(e.writes, e.views)]
-                if rec is not None and rec.checked_source(t, name) and all(w[2] in rec.params for w in e.writes):
-                    for write, (dest, part) in zip(e.records, pairs):
+                    src = {e.writes[0].role: t}
+                pairs = [(_dest_view(self.params[w.param][2](), w.dest_box, geo), slice_box(src[w.role], w.src_box))
+                         for w, geo in zip(e.writes, e.views)]
+                if rec is not None and rec.checked_source(t, name) and all(w.param in rec.params for w in e.writes):
+                    for write, (dest, part) in zip(e.writes, pairs):
                         rec.record(write, dest, part)
                     batch += pairs
                 else:
